@@ -1,0 +1,99 @@
+"""Plain data passed between the routing, delivery and queue-store layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class NextHop:
+    """One host to connect to. ``literal`` hosts are not looked up for MX."""
+
+    host: str
+    port: int
+    preference: int = 0
+    literal: bool = False
+
+    def as_json(self) -> dict:
+        return {"host": self.host, "port": self.port, "preference": self.preference,
+                "literal": self.literal}
+
+    @classmethod
+    def from_json(cls, data: dict) -> NextHop:
+        return cls(data["host"], int(data["port"]), int(data.get("preference", 0)),
+                   bool(data.get("literal", False)))
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the recipients of one domain go.
+
+    ``queue_name`` names the delivery queue (the destination domain);
+    ``link_name`` names the next hop, shared by every queue behind it.
+    ``hosts`` are in preference order; ties are shuffled at delivery time.
+    """
+
+    delivery_type: str  # queues.models.DeliveryType value
+    queue_name: str
+    link_name: str
+    hosts: tuple[NextHop, ...]
+
+
+class RouteError(Exception):
+    """Routing failed. ``permanent`` failures fail the recipient (5xx)."""
+
+    def __init__(self, text: str, *, permanent: bool, enhanced: str) -> None:
+        super().__init__(text)
+        self.text = text
+        self.permanent = permanent
+        self.enhanced = enhanced
+
+
+@dataclass
+class OutboundRecipient:
+    id: int
+    address: str
+    orcpt: str = ""
+    notify: str = ""
+
+
+@dataclass
+class OutboundMessage:
+    id: int
+    mail_from: str
+    data: bytes
+    recipients: list[OutboundRecipient]
+    body_type: str = ""
+    smtputf8: bool = False
+    ret: str = ""
+    envid: str = ""
+
+
+@dataclass
+class RecipientResult:
+    """The outcome of one try for one recipient."""
+
+    recipient_id: int
+    message_id: int
+    outcome: str  # queues.models.AttemptOutcome value
+    phase: str  # queues.models.AttemptPhase value
+    code: int | None
+    enhanced: str
+    text: str
+    host: str = ""
+    ip: str = ""
+    port: int | None = None
+    started_at: datetime | None = None
+    duration_ms: int = 0
+    # "recipient", "message" or "connection": which kind of failure this was
+    scope: str = "recipient"
+
+
+@dataclass
+class BatchResult:
+    results: list[RecipientResult] = field(default_factory=list)
+    # True when at least one connection reached the peer's greeting
+    connected: bool = False
+    # the last per-connection error when every host failed (for the link)
+    connection_error: str = ""

@@ -1,0 +1,157 @@
+"""mailrelay settings: everything comes from the environment (see README)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import dj_database_url
+
+from .env import (
+    env_bool,
+    env_duration,
+    env_int,
+    env_list,
+    env_networks,
+    env_size,
+    env_str,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(env_str("MAILRELAY_DATA_DIR", str(BASE_DIR / "var")))
+
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "insecure-development-key-change-me")
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", "")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "queues",
+    "delivery",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "mailrelay.urls"
+WSGI_APPLICATION = "mailrelay.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database: PostgreSQL from DATABASE_URL, else the embedded SQLite default.
+DATABASE_URL = env_str("DATABASE_URL", "")
+if DATABASE_URL:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=None)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(DATA_DIR / "mailrelay.sqlite3"),
+            # Several processes (SMTP, worker, web) share the file: wait for locks.
+            "OPTIONS": {"timeout": 30, "transaction_mode": "IMMEDIATE",
+                        "init_command": "PRAGMA journal_mode=WAL;"},
+        }
+    }
+if env_str("MAILRELAY_TEST_DATABASE"):
+    DATABASES["default"].setdefault("TEST", {})["NAME"] = env_str("MAILRELAY_TEST_DATABASE")
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = DATA_DIR / "static"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("MAILRELAY_LOG_LEVEL", "INFO")},
+    "loggers": {"mail.log": {"level": "WARNING"}},
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+}
+
+# --- Celery: Redis from CELERY_BROKER_URL, else kombu's filesystem transport.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "")
+if not CELERY_BROKER_URL:
+    CELERY_BROKER_URL = "filesystem://"
+    _broker_dir = DATA_DIR / "broker"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir),
+        "data_folder_out": str(_broker_dir),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- mailrelay (every setting is documented in README.md)
+MAILRELAY_HOSTNAME = env_str("MAILRELAY_HOSTNAME", "") or socket.getfqdn()
+MAILRELAY_SMTP_LISTEN = env_list("MAILRELAY_SMTP_LISTEN", "127.0.0.1:2525")
+MAILRELAY_ACCEPTED_DOMAINS = [d.lower().rstrip(".") for d in env_list("MAILRELAY_ACCEPTED_DOMAINS")]
+MAILRELAY_RELAY_NETWORKS = env_networks("MAILRELAY_RELAY_NETWORKS", "127.0.0.0/8,::1/128")
+MAILRELAY_MAX_MESSAGE_SIZE = env_size("MAILRELAY_MAX_MESSAGE_SIZE", "35MB")
+MAILRELAY_MAX_RECIPIENTS = env_int("MAILRELAY_MAX_RECIPIENTS", 1000)
+MAILRELAY_SMTP_SERVER_TIMEOUT = env_duration("MAILRELAY_SMTP_SERVER_TIMEOUT", "5m")
+MAILRELAY_TLS_CERT_FILE = env_str("MAILRELAY_TLS_CERT_FILE", "")
+MAILRELAY_TLS_KEY_FILE = env_str("MAILRELAY_TLS_KEY_FILE", "")
+
+MAILRELAY_TRANSPORTS = env_str("MAILRELAY_TRANSPORTS", "")
+MAILRELAY_SMART_HOST = env_str("MAILRELAY_SMART_HOST", "")
+MAILRELAY_DNS_NAMESERVERS = env_list("MAILRELAY_DNS_NAMESERVERS", "")
+MAILRELAY_DNS_TIMEOUT = env_duration("MAILRELAY_DNS_TIMEOUT", "10s")
+MAILRELAY_REMOTE_SMTP_PORT = env_int("MAILRELAY_REMOTE_SMTP_PORT", 25)
+
+MAILRELAY_MAX_MESSAGES_PER_CONNECTION = env_int("MAILRELAY_MAX_MESSAGES_PER_CONNECTION", 20)
+MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = env_int("MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION", 10)
+MAILRELAY_SMTP_CONNECT_TIMEOUT = env_duration("MAILRELAY_SMTP_CONNECT_TIMEOUT", "30s")
+MAILRELAY_SMTP_CLIENT_TIMEOUT = env_duration("MAILRELAY_SMTP_CLIENT_TIMEOUT", "5m")
+
+MAILRELAY_SWEEP_INTERVAL = env_duration("MAILRELAY_SWEEP_INTERVAL", "30s")
+MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT = env_duration("MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT", "2d")
+MAILRELAY_CATEGORIZER_RETRY_INTERVAL = env_duration("MAILRELAY_CATEGORIZER_RETRY_INTERVAL", "5m")
+MAILRELAY_COMPLETED_RETENTION = env_duration("MAILRELAY_COMPLETED_RETENTION", "1d")

@@ -1,0 +1,283 @@
+"""The queue store: the single source of truth for every message.
+
+A message is accepted into the Submission queue, categorized into one
+delivery queue per destination domain (recipients of one message may wait
+in several queues), and delivered over the queue's link (its next hop).
+Every state change lives here; Celery only says "there is work".
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+
+class DeliveryType(models.TextChoices):
+    SUBMISSION = "submission", "Submission"
+    SMART_HOST = "smart_host", "Smart host"
+    DNS_MX = "dns_mx", "DNS MX"
+    TRANSPORT_MAP = "transport_map", "Transport map"
+    UNREACHABLE = "unreachable", "Unreachable"
+    POISON = "poison", "Poison"
+    DEAD_LETTER = "dead_letter", "Dead-letter"
+
+
+SPECIAL_DELIVERY_TYPES = (
+    DeliveryType.SUBMISSION,
+    DeliveryType.UNREACHABLE,
+    DeliveryType.POISON,
+    DeliveryType.DEAD_LETTER,
+)
+
+
+class LinkState(models.TextChoices):
+    READY = "ready", "Ready"
+    ACTIVE = "active", "Active"
+    RETRY = "retry", "Retry"
+
+
+class Link(models.Model):
+    """One next hop (a smart host, a transport destination, an MX host set).
+
+    Connections are opened per link, so the per-destination connection limit
+    and the connection-failure retry state live here.
+    """
+
+    name = models.CharField(max_length=1024, unique=True)
+    delivery_type = models.CharField(max_length=20, choices=DeliveryType.choices)
+    # [{"host": "mx1.example.com", "port": 25, "preference": 10, "literal": false}, ...]
+    hosts = models.JSONField(default=list)
+    state = models.CharField(max_length=10, choices=LinkState.choices, default=LinkState.READY)
+    next_retry_at = models.DateTimeField(null=True, blank=True)
+    failure_count = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True)
+    last_error_at = models.DateTimeField(null=True, blank=True)
+    last_success_at = models.DateTimeField(null=True, blank=True)
+    # A delivery task owns the link while it delivers (one owner at a time).
+    lease_owner = models.CharField(max_length=100, blank=True)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Queue(models.Model):
+    """Messages waiting for one destination (next-hop domain and delivery type)."""
+
+    name = models.CharField(max_length=255)
+    delivery_type = models.CharField(max_length=20, choices=DeliveryType.choices)
+    link = models.ForeignKey(
+        Link, null=True, blank=True, on_delete=models.SET_NULL, related_name="queues"
+    )
+    suspended = models.BooleanField(default=False)
+    last_error = models.TextField(blank=True)
+    last_error_at = models.DateTimeField(null=True, blank=True)
+    last_delivery_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["delivery_type", "name"], name="queue_unique_name")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.delivery_type})"
+
+
+class MessageState(models.TextChoices):
+    SUBMISSION = "submission", "Submission"  # some recipients await the categorizer
+    CATEGORIZING = "categorizing", "Categorizing"  # claimed by a categorizer
+    QUEUED = "queued", "Queued"  # categorized; some recipients not final
+    DONE = "done", "Done"  # every recipient final
+
+
+class MessageSource(models.TextChoices):
+    SMTP = "smtp", "SMTP"
+    PICKUP = "pickup", "Pickup"
+    REPLAY = "replay", "Replay"
+    DSN = "dsn", "DSN"
+
+
+class Message(models.Model):
+    qid = models.CharField("queue id", max_length=20, unique=True)
+    state = models.CharField(
+        max_length=12, choices=MessageState.choices, default=MessageState.SUBMISSION
+    )
+    source = models.CharField(max_length=8, choices=MessageSource.choices)
+    # Envelope, exactly as given ("" is the null sender <>).
+    mail_from = models.CharField(max_length=512, blank=True)
+    body_type = models.CharField(max_length=12, blank=True)  # 7BIT / 8BITMIME / ""
+    smtputf8 = models.BooleanField(default=False)
+    ret = models.CharField(max_length=4, blank=True)  # FULL / HDRS / ""
+    envid = models.CharField(max_length=200, blank=True)
+    declared_size = models.BigIntegerField(null=True, blank=True)
+    client_address = models.GenericIPAddressField(null=True, blank=True)
+    client_helo = models.CharField(max_length=255, blank=True)
+    # The exact received bytes, preceded by our Received header (and a
+    # Message-ID header when the message had none).
+    data = models.BinaryField()
+    size = models.BigIntegerField()
+    message_id = models.CharField(max_length=998, blank=True)
+    subject = models.CharField(max_length=998, blank=True)
+    received_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    next_attempt_at = models.DateTimeField()  # when the categorizer may take it
+    suspended = models.BooleanField(default=False)
+    per_message_failures = models.PositiveIntegerField(default=0)
+    problem = models.BooleanField(default=False)
+    crash_count = models.PositiveIntegerField(default=0)
+    lease_owner = models.CharField(max_length=100, blank=True)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # categorizer claim: state=submission, due, oldest first
+            models.Index(
+                fields=["next_attempt_at", "id"],
+                name="message_submission_due",
+                condition=Q(state="submission"),
+            ),
+            # sweep: expired categorizer claims
+            models.Index(
+                fields=["lease_until"],
+                name="message_categorizing_lease",
+                condition=Q(state="categorizing"),
+            ),
+            # purge of completed messages
+            models.Index(
+                fields=["completed_at"], name="message_done", condition=Q(state="done")
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.qid
+
+
+class RecipientState(models.TextChoices):
+    SUBMITTED = "submitted", "Submitted"  # waiting for the categorizer
+    QUEUED = "queued", "Queued"  # in a delivery queue, not yet tried
+    DEFERRED = "deferred", "Deferred"  # tried, temporary failure, waiting to retry
+    ACTIVE = "active", "Active"  # claimed by a delivery (lease_until)
+    DELIVERED = "delivered", "Delivered"
+    FAILED = "failed", "Failed"
+    EXPIRED = "expired", "Expired"
+
+
+FINAL_RECIPIENT_STATES = (
+    RecipientState.DELIVERED,
+    RecipientState.FAILED,
+    RecipientState.EXPIRED,
+)
+WAITING_RECIPIENT_STATES = (RecipientState.QUEUED, RecipientState.DEFERRED)
+
+
+class Recipient(models.Model):
+    message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="recipients")
+    address = models.CharField(max_length=512)
+    domain = models.CharField(max_length=255)  # lower-cased, IDNA as given
+    orcpt = models.CharField(max_length=600, blank=True)  # "rfc822;user@example.com"
+    notify = models.CharField(max_length=40, blank=True)  # "SUCCESS,FAILURE,DELAY" / "NEVER"
+    queue = models.ForeignKey(
+        Queue, null=True, blank=True, on_delete=models.PROTECT, related_name="recipients"
+    )
+    state = models.CharField(
+        max_length=10, choices=RecipientState.choices, default=RecipientState.SUBMITTED
+    )
+    next_attempt_at = models.DateTimeField()
+    lease_until = models.DateTimeField(null=True, blank=True)
+    attempt_count = models.PositiveIntegerField(default=0)
+    first_failure_at = models.DateTimeField(null=True, blank=True)
+    last_attempt_at = models.DateTimeField(null=True, blank=True)
+    last_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_enhanced = models.CharField(max_length=16, blank=True)
+    last_text = models.TextField(blank=True)
+    last_host = models.CharField(max_length=300, blank=True)
+    delay_dsn_sent = models.BooleanField(default=False)
+    final_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # delivery claim: due recipients of a queue, oldest message first
+            models.Index(
+                fields=["queue", "next_attempt_at", "message"],
+                name="recipient_waiting",
+                condition=Q(state__in=["queued", "deferred"]),
+            ),
+            # sweep: expired delivery claims
+            models.Index(
+                fields=["lease_until"], name="recipient_active_lease", condition=Q(state="active")
+            ),
+            # sweep: due unreachable recipients; categorizer: submitted recipients
+            models.Index(
+                fields=["message"], name="recipient_submitted", condition=Q(state="submitted")
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.address
+
+
+class AttemptPhase(models.TextChoices):
+    ROUTE = "route", "Routing"
+    CONNECT = "connect", "Connect"
+    GREETING = "greeting", "Greeting"
+    EHLO = "ehlo", "EHLO"
+    STARTTLS = "starttls", "STARTTLS"
+    MAIL = "mail", "MAIL FROM"
+    RCPT = "rcpt", "RCPT TO"
+    DATA = "data", "DATA"
+    SESSION = "session", "Session"  # lost connection, timeout mid-session
+
+
+class AttemptOutcome(models.TextChoices):
+    DELIVERED = "delivered", "Delivered"
+    DEFERRED = "deferred", "Deferred"
+    FAILED = "failed", "Failed"
+
+
+class Attempt(models.Model):
+    """One try to deliver one recipient: where, when, and what the peer said."""
+
+    recipient = models.ForeignKey(Recipient, on_delete=models.CASCADE, related_name="attempts")
+    message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="attempts")
+    queue = models.ForeignKey(Queue, null=True, on_delete=models.SET_NULL, related_name="+")
+    started_at = models.DateTimeField()
+    duration_ms = models.PositiveIntegerField(default=0)
+    host = models.CharField(max_length=300, blank=True)
+    ip = models.CharField(max_length=64, blank=True)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    phase = models.CharField(max_length=10, choices=AttemptPhase.choices)
+    code = models.PositiveSmallIntegerField(null=True, blank=True)
+    enhanced = models.CharField(max_length=16, blank=True)
+    text = models.TextField(blank=True)
+    outcome = models.CharField(max_length=10, choices=AttemptOutcome.choices)
+
+    class Meta:
+        indexes = [models.Index(fields=["message", "started_at"], name="attempt_by_message")]
+
+
+class EventLevel(models.TextChoices):
+    INFO = "info", "Information"
+    WARNING = "warning", "Warning"
+    ERROR = "error", "Error"
+
+
+class Event(models.Model):
+    """What the system did: level changes, crashes, routing decisions."""
+
+    created_at = models.DateTimeField()
+    level = models.CharField(max_length=8, choices=EventLevel.choices, default=EventLevel.INFO)
+    kind = models.CharField(max_length=40)
+    text = models.TextField()
+    message = models.ForeignKey(
+        Message, null=True, blank=True, on_delete=models.CASCADE, related_name="events"
+    )
+    queue = models.ForeignKey(
+        Queue, null=True, blank=True, on_delete=models.SET_NULL, related_name="events"
+    )
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["created_at"], name="event_by_time")]
