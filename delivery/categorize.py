@@ -1,0 +1,246 @@
+"""The categorizer: route the recipients of submitted messages into delivery queues."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+
+from delivery import bell, retry
+from delivery.routing import Router
+from delivery.types import Route, RouteError
+from queues import clock
+from queues.models import (
+    Attempt,
+    AttemptOutcome,
+    AttemptPhase,
+    DeliveryType,
+    Event,
+    EventLevel,
+    Message,
+    MessageState,
+    Recipient,
+    RecipientState,
+)
+from queues.services.messages import messages_finish
+from queues.services.routing import queue_for_route, special_queue
+
+log = logging.getLogger(__name__)
+
+# A categorizer that dies holding a claim loses it after this long.
+CLAIM_LEASE = timedelta(minutes=5)
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class _Placement:
+    """What the categorizer decided for the recipients of one domain."""
+
+    route: Route | None = None
+    error: RouteError | None = None
+    recipient_ids: list[int] = field(default_factory=list)
+
+
+def _claim(owner: str, limit: int) -> list[int]:
+    """Take up to ``limit`` due Submission messages, counting the try (poison guard)."""
+    now = clock.now()
+    with transaction.atomic():
+        ids = list(
+            Message.objects.select_for_update(skip_locked=True)
+            .filter(state=MessageState.SUBMISSION, next_attempt_at__lte=now, suspended=False)
+            .order_by("next_attempt_at", "id")
+            .values_list("id", flat=True)[:limit]
+        )
+        if ids:
+            # Counted before processing and cleared after: a message that keeps
+            # killing its worker is parked in Poison instead of looping.
+            Message.objects.filter(id__in=ids).update(
+                state=MessageState.CATEGORIZING,
+                lease_owner=owner,
+                lease_until=now + CLAIM_LEASE,
+                crash_count=F("crash_count") + 1,
+            )
+    return ids
+
+
+def _park_poison(message_ids: list[int]) -> None:
+    now = clock.now()
+    poison = special_queue(DeliveryType.POISON, now)
+    with transaction.atomic():
+        Message.objects.filter(id__in=message_ids).update(
+            state=MessageState.QUEUED, suspended=True, lease_owner="", lease_until=None
+        )
+        Recipient.objects.filter(message_id__in=message_ids).exclude(
+            state__in=[RecipientState.DELIVERED, RecipientState.FAILED, RecipientState.EXPIRED]
+        ).update(queue=poison, state=RecipientState.DEFERRED, lease_until=None)
+        Event.objects.bulk_create(
+            Event(
+                created_at=now,
+                level=EventLevel.ERROR,
+                kind="poison",
+                text="processing this message crashed a worker "
+                f"{settings.MAILRELAY_POISON_THRESHOLD} times; moved to the Poison queue",
+                message_id=mid,
+                queue=poison,
+            )
+            for mid in message_ids
+        )
+
+
+def _route_all(domains: set[str], router: Router) -> dict[str, _Placement]:
+    placements: dict[str, _Placement] = {}
+    for domain in domains:
+        try:
+            placements[domain] = _Placement(route=router.route(domain))
+        except RouteError as exc:
+            placements[domain] = _Placement(error=exc)
+    return placements
+
+
+def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int]:
+    """Write the decisions; return the ids of links that received work."""
+    now = clock.now()
+    links: set[int] = set()
+    failed: list[Attempt] = []
+    for domain, placement in placements.items():
+        if not placement.recipient_ids:
+            continue
+        rows = Recipient.objects.filter(id__in=placement.recipient_ids)
+        if placement.route is not None:
+            route = placement.route
+            queue = queue_for_route(
+                route.delivery_type,
+                route.queue_name,
+                route.link_name,
+                [hop.as_json() for hop in route.hosts],
+                now,
+            )
+            rows.update(queue=queue, state=RecipientState.QUEUED, next_attempt_at=now)
+            if not queue.suspended and queue.link_id:
+                links.add(queue.link_id)
+            continue
+        error = placement.error
+        assert error is not None
+        code = 550 if error.permanent else 451
+        if error.permanent:
+            rows.update(
+                state=RecipientState.FAILED,
+                final_at=now,
+                last_attempt_at=now,
+                last_code=None,
+                last_enhanced=error.enhanced,
+                last_text=error.text,
+                attempt_count=F("attempt_count") + 1,
+            )
+        else:
+            unreachable = special_queue(DeliveryType.UNREACHABLE, now)
+            rows.update(
+                queue=unreachable,
+                state=RecipientState.DEFERRED,
+                next_attempt_at=retry.categorizer_retry_at(now),
+                first_failure_at=now,
+                last_attempt_at=now,
+                last_enhanced=error.enhanced,
+                last_text=error.text,
+                attempt_count=F("attempt_count") + 1,
+            )
+        for rid, mid in rows.values_list("id", "message_id"):
+            failed.append(
+                Attempt(
+                    recipient_id=rid,
+                    message_id=mid,
+                    started_at=now,
+                    host=domain,
+                    phase=AttemptPhase.ROUTE,
+                    code=None,
+                    enhanced=error.enhanced,
+                    text=f"{code} {error.enhanced} {error.text}",
+                    outcome=AttemptOutcome.FAILED if error.permanent else AttemptOutcome.DEFERRED,
+                )
+            )
+    Attempt.objects.bulk_create(failed)
+    Message.objects.filter(id__in=message_ids).update(
+        state=MessageState.QUEUED, lease_owner="", lease_until=None, crash_count=0
+    )
+    messages_finish(message_ids, now)
+    return links
+
+
+def categorize_pending(owner: str | None = None, limit: int | None = None) -> int:
+    """Route one batch of submitted messages. Returns how many messages it took.
+
+    Steps:
+    1. claim a batch of due Submission messages (row locks, SKIP LOCKED), counting
+       the try in crash_count; messages already at the poison threshold go to Poison;
+    2. load their recipients that await routing;
+    3. route each distinct domain once (transport map, smart host, DNS);
+    4. in one transaction: place recipients in their delivery queue, fail the
+       permanently unroutable, park the temporarily unroutable in Unreachable,
+       mark the messages queued (or done) and clear the crash count;
+    5. after commit, ring the links that got work.
+    """
+    owner = owner or worker_id()
+    limit = limit or settings.MAILRELAY_CATEGORIZER_BATCH
+    ids = _claim(owner, limit)
+    if not ids:
+        return 0
+    threshold = settings.MAILRELAY_POISON_THRESHOLD
+    poisoned = set(
+        Message.objects.filter(id__in=ids, crash_count__gt=threshold).values_list("id", flat=True)
+    )
+    if poisoned:
+        _park_poison(sorted(poisoned))
+        ids = [i for i in ids if i not in poisoned]
+    links: set[int] = set()
+    try:
+        links = _process(ids)
+    except Exception:
+        log.exception("categorizing a batch of %d messages failed; retrying one by one", len(ids))
+        # One bad message must not take its batch-mates down with it.
+        for mid in ids:
+            try:
+                links |= _process([mid])
+            except Exception:
+                log.exception("categorizing message %s failed", mid)
+                _release_after_crash(mid)
+    for link_id in sorted(links):
+        bell.ring_link(link_id)
+    return len(ids) + len(poisoned)
+
+
+def _process(ids: list[int]) -> set[int]:
+    recipients = list(
+        Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED).values_list(
+            "id", "domain"
+        )
+    )
+    by_domain: dict[str, list[int]] = defaultdict(list)
+    for rid, domain in recipients:
+        by_domain[domain].append(rid)
+    placements = _route_all(set(by_domain), Router.from_settings())
+    for domain, rids in by_domain.items():
+        placements[domain].recipient_ids = rids
+    with transaction.atomic():
+        return _apply(placements, ids)
+
+
+def _release_after_crash(message_id: int) -> None:
+    """Give a message that raised back to Submission, keeping its crash count."""
+    now = clock.now()
+    Message.objects.filter(id=message_id, state=MessageState.CATEGORIZING).update(
+        state=MessageState.SUBMISSION,
+        lease_owner="",
+        lease_until=None,
+        next_attempt_at=retry.categorizer_retry_at(now),
+    )

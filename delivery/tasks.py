@@ -1,0 +1,41 @@
+"""Celery tasks: thin doorbell handlers around the engine's functions."""
+
+from __future__ import annotations
+
+import time
+
+from celery import shared_task
+
+from delivery import bell
+from delivery.categorize import categorize_pending
+from delivery.deliver import deliver_link as deliver_link_now
+from delivery.sweep import sweep as sweep_now
+
+# A categorize task hands over to a fresh task after this long, so one
+# backlog cannot pin a worker process forever.
+CATEGORIZE_SLICE_SECONDS = 30
+
+
+@shared_task(name="delivery.tasks.categorize")
+def categorize() -> int:
+    started = time.monotonic()
+    total = 0
+    while True:
+        taken = categorize_pending()
+        total += taken
+        if not taken:
+            return total
+        if time.monotonic() - started > CATEGORIZE_SLICE_SECONDS:
+            bell.ring_categorizer()
+            return total
+
+
+@shared_task(name="delivery.tasks.deliver_link")
+def deliver_link(link_id: int) -> int:
+    return deliver_link_now(link_id)
+
+
+@shared_task(name="delivery.tasks.sweep")
+def sweep() -> dict:
+    report = sweep_now()
+    return {"links_rung": len(report.links_rung), "purged": report.purged}
