@@ -160,3 +160,5 @@ MAILRELAY_CATEGORIZER_BATCH = env_int("MAILRELAY_CATEGORIZER_BATCH", 500)
 # How long a delivery may hold its claim on recipients before the sweep takes
 # them back (must exceed the longest delivery round: connect + commands + DATA).
 MAILRELAY_DELIVERY_LEASE = env_duration("MAILRELAY_DELIVERY_LEASE", "15m")
+MAILRELAY_WEB_LISTEN = env_str("MAILRELAY_WEB_LISTEN", "127.0.0.1:8000")
+MAILRELAY_WORKER_CONCURRENCY = env_int("MAILRELAY_WORKER_CONCURRENCY", 4)
