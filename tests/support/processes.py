@@ -1,0 +1,135 @@
+"""Real Celery worker and beat processes for system tests.
+
+They run the project's own code against the test database and a Redis
+database reserved for tests, configured through the environment exactly as
+in production.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+CELERY = str(Path(sys.executable).parent / "celery")
+
+
+def test_env(**overrides: str) -> dict[str, str]:
+    """Environment for a child process: the test database, the test broker, overrides."""
+    db = connection.settings_dict
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env["DATABASE_URL"] = (
+        f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:"
+        f"{db['PORT'] or 5432}/{db['NAME']}"
+    )
+    env["CELERY_BROKER_URL"] = settings.CELERY_BROKER_URL
+    env["DJANGO_SETTINGS_MODULE"] = "mailrelay.settings"
+    env.update(overrides)
+    return env
+
+
+class Proc:
+    """A child process whose output is collected; ``wait_for`` awaits a line."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.popen = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip())
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 30) -> None:
+        def seen() -> bool:
+            return any(text in line for line in self.lines) or self.popen.poll() is not None
+
+        with self._cond:
+            self._cond.wait_for(seen, timeout)
+            if not any(text in line for line in self.lines):
+                raise AssertionError(
+                    f"{self.name} did not print {text!r}; output:\n" + "\n".join(self.lines[-40:])
+                )
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: no cleanup, as a crash would be."""
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class ProcessRunner:
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def worker(self, name: str = "w1", concurrency: int = 2, **env: str) -> Proc:
+        proc = Proc(
+            name,
+            [CELERY, "-A", "mailrelay", "worker", "-n", f"{name}@%h", "--loglevel", "INFO",
+             "--concurrency", str(concurrency), "--without-gossip", "--without-mingle",
+             "--without-heartbeat"],
+            test_env(**env),
+        )
+        self.procs.append(proc)
+        proc.wait_for("ready.")
+        return proc
+
+    def beat(self, tmp_path: Path, **env: str) -> Proc:
+        proc = Proc(
+            "beat",
+            [CELERY, "-A", "mailrelay", "beat", "--loglevel", "INFO",
+             "--schedule", str(tmp_path / "beat-schedule")],
+            test_env(**env),
+        )
+        self.procs.append(proc)
+        proc.wait_for("beat: Starting")
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+
+@pytest.fixture
+def broker() -> Iterator[redis.Redis]:
+    """The test broker's Redis database, empty at the start and end of the test."""
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture
+def processes(broker: redis.Redis) -> Iterator[ProcessRunner]:
+    runner = ProcessRunner()
+    yield runner
+    runner.stop_all()
