@@ -17,8 +17,9 @@ def ring_categorizer() -> None:
     try:
         categorize.delay()
     except Exception:  # noqa: BLE001 - the sweep will find the work
-        log.warning("could not ring the categorizer; the sweep will pick the work up",
-                    exc_info=True)
+        log.warning(
+            "could not ring the categorizer; the sweep will pick the work up", exc_info=True
+        )
 
 
 def ring_link(link_id: int) -> None:
@@ -27,5 +28,6 @@ def ring_link(link_id: int) -> None:
     try:
         deliver_link.delay(link_id)
     except Exception:  # noqa: BLE001 - the sweep will find the work
-        log.warning("could not ring link %s; the sweep will pick the work up", link_id,
-                    exc_info=True)
+        log.warning(
+            "could not ring link %s; the sweep will pick the work up", link_id, exc_info=True
+        )

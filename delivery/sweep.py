@@ -65,9 +65,7 @@ def _resubmit_due_unreachable(report: SweepReport) -> None:
         ids = list(rows.values_list("id", flat=True)[:10000])
         if not ids:
             return
-        message_ids = set(
-            Recipient.objects.filter(id__in=ids).values_list("message_id", flat=True)
-        )
+        message_ids = set(Recipient.objects.filter(id__in=ids).values_list("message_id", flat=True))
         Recipient.objects.filter(id__in=ids).update(
             queue=None, state=RecipientState.SUBMITTED, next_attempt_at=now
         )

@@ -16,13 +16,21 @@ class NextHop:
     literal: bool = False
 
     def as_json(self) -> dict:
-        return {"host": self.host, "port": self.port, "preference": self.preference,
-                "literal": self.literal}
+        return {
+            "host": self.host,
+            "port": self.port,
+            "preference": self.preference,
+            "literal": self.literal,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> NextHop:
-        return cls(data["host"], int(data["port"]), int(data.get("preference", 0)),
-                   bool(data.get("literal", False)))
+        return cls(
+            data["host"],
+            int(data["port"]),
+            int(data.get("preference", 0)),
+            bool(data.get("literal", False)),
+        )
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,16 @@ from datetime import timedelta
 
 from django.core.exceptions import ImproperlyConfigured
 
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "M": 1024**2, "MB": 1024**2,
-               "G": 1024**3, "GB": 1024**3}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1024,
+    "KB": 1024,
+    "M": 1024**2,
+    "MB": 1024**2,
+    "G": 1024**3,
+    "GB": 1024**3,
+}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
 _DURATION_UNITS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
 # Exchange's TimeSpan notation: [d.]hh:mm:ss

@@ -76,8 +76,11 @@ else:
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": str(DATA_DIR / "mailrelay.sqlite3"),
             # Several processes (SMTP, worker, web) share the file: wait for locks.
-            "OPTIONS": {"timeout": 30, "transaction_mode": "IMMEDIATE",
-                        "init_command": "PRAGMA journal_mode=WAL;"},
+            "OPTIONS": {
+                "timeout": 30,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL;",
+            },
         }
     }
 if env_str("MAILRELAY_TEST_DATABASE"):

@@ -7,8 +7,15 @@ from queues.models import Attempt, Event, Link, Message, Queue, Recipient
 
 @admin.register(Link)
 class LinkAdmin(admin.ModelAdmin):
-    list_display = ("name", "delivery_type", "state", "next_retry_at", "failure_count",
-                    "last_error", "last_success_at")
+    list_display = (
+        "name",
+        "delivery_type",
+        "state",
+        "next_retry_at",
+        "failure_count",
+        "last_error",
+        "last_success_at",
+    )
     list_filter = ("state", "delivery_type")
     search_fields = ("name",)
 
@@ -24,8 +31,17 @@ class RecipientInline(admin.TabularInline):
     model = Recipient
     extra = 0
     can_delete = False
-    fields = ("address", "state", "queue", "attempt_count", "next_attempt_at", "last_code",
-              "last_enhanced", "last_text", "last_host")
+    fields = (
+        "address",
+        "state",
+        "queue",
+        "attempt_count",
+        "next_attempt_at",
+        "last_code",
+        "last_enhanced",
+        "last_text",
+        "last_host",
+    )
     readonly_fields = fields
 
 
@@ -42,8 +58,7 @@ class MessageAdmin(admin.ModelAdmin):
 
 @admin.register(Attempt)
 class AttemptAdmin(admin.ModelAdmin):
-    list_display = ("started_at", "recipient", "host", "ip", "phase", "code", "enhanced",
-                    "outcome")
+    list_display = ("started_at", "recipient", "host", "ip", "phase", "code", "enhanced", "outcome")
     list_filter = ("outcome", "phase")
     raw_id_fields = ("recipient", "message", "queue")
 

@@ -33,8 +33,10 @@ def _unfolded_fields(block: bytes) -> list[tuple[str, str]]:
         name, sep, value = line.partition(b":")
         if sep:
             fields.append(
-                (name.strip().decode("ascii", "replace").lower(),
-                 value.strip().decode("utf-8", "replace"))
+                (
+                    name.strip().decode("ascii", "replace").lower(),
+                    value.strip().decode("utf-8", "replace"),
+                )
             )
     return fields
 

@@ -146,9 +146,7 @@ class Message(models.Model):
                 condition=Q(state="categorizing"),
             ),
             # purge of completed messages
-            models.Index(
-                fields=["completed_at"], name="message_done", condition=Q(state="done")
-            ),
+            models.Index(fields=["completed_at"], name="message_done", condition=Q(state="done")),
         ]
 
     def __str__(self) -> str:

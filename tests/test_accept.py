@@ -29,8 +29,11 @@ def test_it_stores_exact_bytes_after_our_received_header(settings):
     settings.MAILRELAY_HOSTNAME = "relay.test"
     env = IncomingEnvelope(
         mail_from="a@example.org",
-        recipients=[IncomingRecipient("b@Example.NET", orcpt="rfc822;B@example.net",
-                                      notify="SUCCESS,FAILURE")],
+        recipients=[
+            IncomingRecipient(
+                "b@Example.NET", orcpt="rfc822;B@example.net", notify="SUCCESS,FAILURE"
+            )
+        ],
         ret="HDRS",
         envid="Env-1",
         client_address="192.0.2.1",

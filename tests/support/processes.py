@@ -46,8 +46,13 @@ class Proc:
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self.popen = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -94,9 +99,21 @@ class ProcessRunner:
     def worker(self, name: str = "w1", concurrency: int = 2, **env: str) -> Proc:
         proc = Proc(
             name,
-            [CELERY, "-A", "mailrelay", "worker", "-n", f"{name}@%h", "--loglevel", "INFO",
-             "--concurrency", str(concurrency), "--without-gossip", "--without-mingle",
-             "--without-heartbeat"],
+            [
+                CELERY,
+                "-A",
+                "mailrelay",
+                "worker",
+                "-n",
+                f"{name}@%h",
+                "--loglevel",
+                "INFO",
+                "--concurrency",
+                str(concurrency),
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
             test_env(**env),
         )
         self.procs.append(proc)
@@ -106,8 +123,16 @@ class ProcessRunner:
     def beat(self, tmp_path: Path, **env: str) -> Proc:
         proc = Proc(
             "beat",
-            [CELERY, "-A", "mailrelay", "beat", "--loglevel", "INFO",
-             "--schedule", str(tmp_path / "beat-schedule")],
+            [
+                CELERY,
+                "-A",
+                "mailrelay",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(tmp_path / "beat-schedule"),
+            ],
             test_env(**env),
         )
         self.procs.append(proc)

@@ -52,10 +52,15 @@ class Command(BaseCommand):
         )
 
     def _describe(self) -> None:
-        db = "PostgreSQL" if settings.DATABASE_URL else f"SQLite ({settings.DATABASES['default']['NAME']})"
+        db = (
+            "PostgreSQL"
+            if settings.DATABASE_URL
+            else f"SQLite ({settings.DATABASES['default']['NAME']})"
+        )
         broker = (
-            "Redis" if settings.CELERY_BROKER_URL.startswith("redis") else
-            settings.CELERY_BROKER_URL.split(":")[0]
+            "Redis"
+            if settings.CELERY_BROKER_URL.startswith("redis")
+            else settings.CELERY_BROKER_URL.split(":")[0]
         )
         self.stdout.write(f"database: {db}; broker: {broker}")
         for addr in settings.MAILRELAY_SMTP_LISTEN:
@@ -70,12 +75,36 @@ class Command(BaseCommand):
         beat_schedule = str(Path(settings.DATA_DIR) / "celerybeat-schedule")
         commands = {
             "smtp": [py, "manage.py", "runsmtp"],
-            "web": [str(bindir / "gunicorn"), "mailrelay.wsgi", "--bind",
-                    settings.MAILRELAY_WEB_LISTEN, "--workers", "2", "--access-logfile", "-"],
-            "worker": [celery, "-A", "mailrelay", "worker", "--loglevel", "INFO",
-                       "--concurrency", str(settings.MAILRELAY_WORKER_CONCURRENCY)],
-            "beat": [celery, "-A", "mailrelay", "beat", "--loglevel", "INFO",
-                     "--schedule", beat_schedule],
+            "web": [
+                str(bindir / "gunicorn"),
+                "mailrelay.wsgi",
+                "--bind",
+                settings.MAILRELAY_WEB_LISTEN,
+                "--workers",
+                "2",
+                "--access-logfile",
+                "-",
+            ],
+            "worker": [
+                celery,
+                "-A",
+                "mailrelay",
+                "worker",
+                "--loglevel",
+                "INFO",
+                "--concurrency",
+                str(settings.MAILRELAY_WORKER_CONCURRENCY),
+            ],
+            "beat": [
+                celery,
+                "-A",
+                "mailrelay",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                beat_schedule,
+            ],
         }
         procs: dict[str, subprocess.Popen] = {}
         stopping = False
@@ -88,8 +117,9 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, stop)
         base = Path(settings.BASE_DIR)
         for name, cmd in commands.items():
-            procs[name] = subprocess.Popen(cmd, cwd=base, env=os.environ.copy(),
-                                           start_new_session=True)
+            procs[name] = subprocess.Popen(
+                cmd, cwd=base, env=os.environ.copy(), start_new_session=True
+            )
         try:
             while not stopping:
                 for name, proc in procs.items():

@@ -1,0 +1,271 @@
+"""The engine end to end in-process: accepted → categorized → delivered at real sinks.
+
+DNS answers come from the loopback DNS server, the next hops are real SMTP
+sinks on 127.0.0.2, 127.0.0.3, …; the workers' functions are driven directly
+(tests/support/pipeline.drain) with the movable clock.
+"""
+
+from datetime import timedelta
+
+import pytest
+
+from delivery.deliver import _claim
+from delivery.sweep import sweep
+from queues import clock
+from queues.models import (
+    Attempt,
+    DeliveryType,
+    Link,
+    LinkState,
+    Message,
+    MessageState,
+    Recipient,
+    RecipientState,
+)
+from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from tests.support.pipeline import drain
+
+pytestmark = pytest.mark.django_db
+
+BODY = b"From: a@example.org\r\nTo: x\r\nSubject: t\r\n\r\nline one\r\n.dot line\r\n"
+
+
+def accept(*rcpts: str, sender: str = "a@example.org", body: bytes = BODY) -> Message:
+    env = IncomingEnvelope(
+        mail_from=sender,
+        recipients=[IncomingRecipient(r) for r in rcpts],
+        client_address="127.0.0.1",
+        client_helo="client.test",
+    )
+    return message_accept(env, body)
+
+
+def rcpt(address: str) -> Recipient:
+    return Recipient.objects.get(address=address)
+
+
+@pytest.fixture
+def relay(dns_settings, settings, smtp_port):
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
+    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=5)
+    return dns_settings
+
+
+def test_it_delivers_byte_exact_to_the_preferred_mx(relay, sink_factory):
+    relay.mx("example.net", [(20, "mx2.example.net"), (10, "mx1.example.net")])
+    relay.a("mx1.example.net", "127.0.0.2")
+    relay.a("mx2.example.net", "127.0.0.3")
+    mx1, mx2 = sink_factory("127.0.0.2"), sink_factory("127.0.0.3")
+    message = accept("u@example.net")
+    drain()
+    assert len(mx1.messages) == 1 and not mx2.messages
+    assert mx1.messages[0].data == bytes(Message.objects.get(pk=message.pk).data)
+    assert mx1.messages[0].data.endswith(BODY)
+    assert mx1.messages[0].mail_from == "a@example.org"
+    assert rcpt("u@example.net").state == RecipientState.DELIVERED
+    assert Message.objects.get(pk=message.pk).state == MessageState.DONE
+
+
+def test_it_falls_over_to_the_next_mx_when_the_first_refuses(relay, sink_factory):
+    relay.mx("example.net", [(10, "mx1.example.net"), (20, "mx2.example.net")])
+    relay.a("mx1.example.net", "127.0.0.2")
+    relay.a("mx2.example.net", "127.0.0.3")
+    mx2 = sink_factory("127.0.0.3")  # nothing listens on 127.0.0.2
+    accept("u@example.net")
+    drain()
+    assert len(mx2.messages) == 1
+    r = rcpt("u@example.net")
+    assert r.state == RecipientState.DELIVERED
+    assert r.last_host == "mx2.example.net [127.0.0.3]"
+
+
+def test_it_uses_the_domain_address_when_there_is_no_mx(relay, sink_factory):
+    relay.a("implicit.example", "127.0.0.4")
+    sink = sink_factory("127.0.0.4")
+    accept("u@implicit.example")
+    drain()
+    assert len(sink.messages) == 1
+
+
+@pytest.mark.parametrize(
+    ("setup", "enhanced"),
+    [(lambda dns: dns.null_mx("nomail.example"), "5.1.10"), (lambda dns: None, "5.1.2")],
+    ids=["null-mx", "nxdomain"],
+)
+def test_it_fails_recipients_of_null_mx_and_nxdomain(relay, setup, enhanced):
+    setup(relay)
+    message = accept("u@nomail.example")
+    drain()
+    r = rcpt("u@nomail.example")
+    assert r.state == RecipientState.FAILED
+    assert r.last_enhanced == enhanced
+    assert Message.objects.get(pk=message.pk).state == MessageState.DONE
+    assert Attempt.objects.get(recipient=r).phase == "route"
+
+
+def test_it_parks_servfail_in_unreachable_and_routes_again_later(relay, sink_factory):
+    relay.servfail("flaky.example")
+    accept("u@flaky.example")
+    drain()
+    r = rcpt("u@flaky.example")
+    assert r.state == RecipientState.DEFERRED
+    assert r.queue.delivery_type == DeliveryType.UNREACHABLE
+    assert r.last_enhanced == "4.4.3"
+    relay.remove("flaky.example")
+    relay.a("flaky.example", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    sweep()
+    drain()
+    assert not sink.messages  # not due yet
+    clock.advance(timedelta(minutes=6))
+    sweep()
+    drain()
+    assert len(sink.messages) == 1
+    assert rcpt("u@flaky.example").state == RecipientState.DELIVERED
+
+
+def test_it_defers_a_4xx_recipient_and_delivers_it_later(relay, sink_factory):
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2", rcpt_tempfail={"slow@example.net": 1})
+    accept("slow@example.net")
+    drain()
+    r = rcpt("slow@example.net")
+    assert r.state == RecipientState.DEFERRED
+    assert (r.last_code, r.last_enhanced) == (450, "4.2.1")
+    assert not sink.messages
+    drain()  # not due yet: nothing happens
+    assert rcpt("slow@example.net").attempt_count == 1
+    clock.advance(timedelta(minutes=2))
+    drain()
+    assert len(sink.messages) == 1
+    r = rcpt("slow@example.net")
+    assert r.state == RecipientState.DELIVERED and r.attempt_count == 2
+    assert [a.outcome for a in Attempt.objects.filter(recipient=r).order_by("id")] == [
+        "deferred",
+        "delivered",
+    ]
+
+
+def test_it_tracks_mixed_results_per_recipient(relay, sink_factory):
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory(
+        "127.0.0.2",
+        rcpt_replies={"bad@example.net": "550 5.1.1 no such user"},
+        rcpt_tempfail={"later@example.net": 1},
+    )
+    message = accept("good@example.net", "bad@example.net", "later@example.net")
+    drain()
+    assert sink.messages[0].rcpt_tos == ["good@example.net"]
+    assert rcpt("good@example.net").state == RecipientState.DELIVERED
+    bad = rcpt("bad@example.net")
+    assert (bad.state, bad.last_code, bad.last_enhanced) == (RecipientState.FAILED, 550, "5.1.1")
+    assert rcpt("later@example.net").state == RecipientState.DEFERRED
+    assert Message.objects.get(pk=message.pk).state == MessageState.QUEUED
+    clock.advance(timedelta(minutes=2))
+    drain()
+    assert sink.messages[1].rcpt_tos == ["later@example.net"]
+    assert Message.objects.get(pk=message.pk).state == MessageState.DONE
+
+
+def test_it_sends_up_to_twenty_messages_over_one_connection(relay, sink_factory, settings):
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    for i in range(45):
+        accept(f"u{i}@example.net")
+    drain()
+    assert len(sink.messages) == 45
+    assert sorted(sink.per_connection(), reverse=True) == [20, 20, 5]
+
+
+def test_it_opens_more_connections_while_more_are_waiting(relay, sink_factory):
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    for i in range(60):
+        accept(f"u{i}@example.net")
+    drain()
+    assert len(sink.messages) == 60
+    assert len(sink.per_connection()) == 3
+    assert max(sink.per_connection()) <= 20
+
+
+def test_it_puts_the_link_in_retry_when_every_host_fails(relay, sink_factory):
+    relay.a("example.net", "127.0.0.2")  # nothing listens yet
+    accept("u1@example.net")
+    accept("u2@example.net")
+    drain()
+    link = Link.objects.get()
+    assert link.state == LinkState.RETRY and link.next_retry_at is not None
+    assert "127.0.0.2" in link.last_error
+    for r in Recipient.objects.all():
+        assert r.state == RecipientState.DEFERRED
+        assert r.next_attempt_at == link.next_retry_at
+    sink = sink_factory("127.0.0.2")
+    drain()
+    assert not sink.messages  # the link waits for its retry time
+    clock.advance(timedelta(minutes=1, seconds=1))
+    sweep()
+    drain()
+    assert len(sink.messages) == 2
+    assert Link.objects.get().state == LinkState.READY
+
+
+def test_it_routes_by_transport_map_then_smart_host(relay, sink_factory, settings, smtp_port):
+    settings.MAILRELAY_TRANSPORTS = f"mapped.example=[127.0.0.3]:{smtp_port}"
+    settings.MAILRELAY_SMART_HOST = f"[127.0.0.2]:{smtp_port}"
+    smart, mapped = sink_factory("127.0.0.2"), sink_factory("127.0.0.3")
+    accept("a@mapped.example", "b@other.example", "c@third.example")
+    drain()
+    assert [m.rcpt_tos for m in mapped.messages] == [["a@mapped.example"]]
+    assert sorted(t for m in smart.messages for t in m.rcpt_tos) == [
+        "b@other.example",
+        "c@third.example",
+    ]
+    # two destination queues behind the smart host share one link
+    queues = {
+        r.queue
+        for r in Recipient.objects.filter(address__in=["b@other.example", "c@third.example"])
+    }
+    assert len(queues) == 2 and len({q.link_id for q in queues}) == 1
+
+
+def test_the_sweep_takes_back_recipients_of_a_dead_delivery(relay, sink_factory, settings):
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    accept("u@example.net")
+    while drain_categorize_only():
+        pass
+    link = Link.objects.get()
+    assert _claim(link.pk, 10)  # a worker claims it and dies before sending
+    assert rcpt("u@example.net").state == RecipientState.ACTIVE
+    drain()
+    assert not sink.messages  # the claim still holds
+    clock.advance(settings.MAILRELAY_DELIVERY_LEASE + timedelta(seconds=1))
+    report = sweep()
+    assert report.recipients_reclaimed == 1
+    drain()
+    assert len(sink.messages) == 1
+
+
+def drain_categorize_only() -> int:
+    from delivery.categorize import categorize_pending
+
+    return categorize_pending()
+
+
+def test_it_parks_a_message_that_keeps_crashing_the_categorizer(relay, settings):
+    settings.MAILRELAY_POISON_THRESHOLD = 2
+    relay.a("example.net", "127.0.0.2")
+    message = accept("u@example.net")
+    from delivery.categorize import _claim as claim_for_categorizer
+
+    for _ in range(2):  # the worker dies twice while categorizing it
+        assert claim_for_categorizer("dying-worker", 10) == [message.pk]
+        clock.advance(timedelta(minutes=6))
+        sweep()
+    drain_categorize_only()
+    m = Message.objects.get(pk=message.pk)
+    assert m.suspended
+    assert rcpt("u@example.net").queue.delivery_type == DeliveryType.POISON
+    assert m.events.filter(kind="poison").exists()
