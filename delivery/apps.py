@@ -11,3 +11,20 @@ class DeliveryConfig(AppConfig):
         from delivery.routing import validate_routing_settings
 
         validate_routing_settings()
+
+        from queues.signals import categorizer_work, link_work
+
+        categorizer_work.connect(_ring_categorizer, dispatch_uid="delivery.bell.categorizer")
+        link_work.connect(_ring_link, dispatch_uid="delivery.bell.link")
+
+
+def _ring_categorizer(sender: object, **kwargs: object) -> None:
+    from delivery import bell
+
+    bell.ring_categorizer()
+
+
+def _ring_link(sender: object, link_id: int, **kwargs: object) -> None:
+    from delivery import bell
+
+    bell.ring_link(link_id)

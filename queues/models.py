@@ -50,6 +50,8 @@ class Link(models.Model):
     state = models.CharField(max_length=10, choices=LinkState.choices, default=LinkState.READY)
     next_retry_at = models.DateTimeField(null=True, blank=True)
     failure_count = models.PositiveIntegerField(default=0)
+    # start of the current run of connection failures (auto-resubmit, expiry)
+    first_failure_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     last_error_at = models.DateTimeField(null=True, blank=True)
     last_success_at = models.DateTimeField(null=True, blank=True)
@@ -74,6 +76,9 @@ class Queue(models.Model):
     last_error = models.TextField(blank=True)
     last_error_at = models.DateTimeField(null=True, blank=True)
     last_delivery_at = models.DateTimeField(null=True, blank=True)
+    # Shown by the Queue Viewer; maintained by the engine, never counted per page view.
+    message_count = models.PositiveIntegerField(default=0)
+    counted_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField()
 
     class Meta:
@@ -279,3 +284,38 @@ class Event(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["created_at"], name="event_by_time")]
+
+
+class RetryHint(models.Model):
+    """Exim's retry data: per host/IP for host errors, per address+sender for RCPT 4xx."""
+
+    key = models.CharField(max_length=700, unique=True)
+    first_failed = models.DateTimeField()
+    last_tried = models.DateTimeField()
+    next_try = models.DateTimeField()
+    expired = models.BooleanField(default=False)
+    error = models.CharField(max_length=40, blank=True)
+    text = models.TextField(blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["last_tried"], name="retryhint_by_last_tried")]
+
+
+class AuditEntry(models.Model):
+    """What an operator did: who, what, on which filter or ids, how many, when."""
+
+    created_at = models.DateTimeField()
+    actor = models.ForeignKey(
+        "auth.User", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_name = models.CharField(max_length=150)  # kept when the user is deleted
+    via = models.CharField(max_length=10)  # ui / api / cli
+    action = models.CharField(max_length=40)  # e.g. queue_suspend, message_remove
+    target_type = models.CharField(max_length=20)  # queue / message / link
+    target_ids = models.JSONField(default=list, blank=True)
+    filter = models.JSONField(default=dict, blank=True)
+    count = models.PositiveIntegerField(default=0)
+    detail = models.TextField(blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["created_at"], name="audit_by_time")]
