@@ -33,6 +33,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
     "queues",
     "delivery",
 ]
@@ -110,10 +112,19 @@ LOGGING = {
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
+SPECTACULAR_SETTINGS = {
+    "TITLE": "mailrelay API",
+    "DESCRIPTION": "Queues, links, messages and operator actions of the mailrelay queue store.",
+    "VERSION": "1",
+}
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
 
 # --- Celery: Redis from CELERY_BROKER_URL, else kombu's filesystem transport.
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "")

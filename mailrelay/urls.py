@@ -1,6 +1,6 @@
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
-from django.urls import path
+from django.urls import include, path
 
 
 def healthz(request: HttpRequest) -> HttpResponse:
@@ -10,4 +10,6 @@ def healthz(request: HttpRequest) -> HttpResponse:
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", healthz),
+    path("api/", include("queues.api.urls")),
+    path("", include("queues.ui.urls")),
 ]

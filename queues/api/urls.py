@@ -1,0 +1,3 @@
+"""REST API v1 routes (filled in by the Queue Viewer work)."""
+
+urlpatterns: list = []

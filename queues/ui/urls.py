@@ -1,0 +1,3 @@
+"""Queue Viewer pages (filled in by the Queue Viewer work)."""
+
+urlpatterns: list = []
