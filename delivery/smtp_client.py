@@ -33,7 +33,13 @@ from datetime import datetime, timedelta
 from typing import NamedTuple, Protocol
 
 from delivery import classify as c
-from delivery.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
+from delivery.types import (
+    BatchResult,
+    HostFailure,
+    OutboundMessage,
+    OutboundRecipient,
+    RecipientResult,
+)
 from queues import clock
 
 log = logging.getLogger(__name__)
@@ -189,11 +195,15 @@ class _Reply(NamedTuple):
 class _SessionFailed(Exception):
     """The session cannot go on: no reply (lost, timeout) or a 421."""
 
-    def __init__(self, phase: str, code: int | None, text: str, note: str = "") -> None:
+    def __init__(
+        self, phase: str, code: int | None, text: str, note: str = "", error: str = ""
+    ) -> None:
         super().__init__(text)
         self.phase = phase
         self.code = code
         self.text = text
+        # Exim error name when no reply came: "timeout" or "lost_connection"
+        self.error = error
         # Added for the message in progress only, not for those never sent.
         self.note = note
 
@@ -206,6 +216,7 @@ class _Failure:
     code: int | None
     text: str
     target: Target
+    error: str = ""  # Exim error name (see delivery.types.HostFailure)
 
     def describe(self) -> str:
         t = self.target
@@ -230,9 +241,17 @@ _IN_REPLY_TO = {
 class _Recorder:
     """The results of one message on one target, one per recipient."""
 
-    __slots__ = ("msg", "target", "started", "t0", "decided")
+    __slots__ = ("msg", "target", "started", "t0", "decided", "peer_dsn")
 
-    def __init__(self, msg: OutboundMessage, target: Target, started: datetime, t0: float):
+    def __init__(
+        self,
+        msg: OutboundMessage,
+        target: Target,
+        started: datetime,
+        t0: float,
+        peer_dsn: bool = False,
+    ):
+        self.peer_dsn = peer_dsn
         self.msg = msg
         self.target = target
         self.started = started
@@ -264,6 +283,7 @@ class _Recorder:
             started_at=self.started,
             duration_ms=int((time.monotonic() - self.t0) * 1000),
             scope=cls.scope,
+            peer_dsn=self.peer_dsn,
         )
 
     def set_many(
@@ -358,7 +378,8 @@ class _Connection:
             text = f"lost connection while waiting for reply to {self.waiting_for}: {why}"
         # The peer may have taken the message before the reply was lost.
         note = " (the message may be delivered twice)" if self.waiting_for == END_OF_DATA else ""
-        return _SessionFailed(phase, None, text, note)
+        error = "timeout" if isinstance(exc, TimeoutError) else "lost_connection"
+        return _SessionFailed(phase, None, text, note, error)
 
     # Session set-up ---------------------------------------------------------------
 
@@ -635,6 +656,7 @@ class _Batch:
         self.connected = False
         self.last_failure: _Failure | None = None
         self.connection_error = ""
+        self.host_failures: list[HostFailure] = []
 
     def candidates(self) -> Iterator[tuple[int, bool]]:
         """(target index, use STARTTLS) in the order to try them; lazy, so a
@@ -648,6 +670,12 @@ class _Batch:
 
     def _fail(self, failure: _Failure) -> _Failure:
         self.last_failure = failure
+        t = failure.target
+        self.host_failures.append(
+            HostFailure(
+                t.host, t.ip, t.port, failure.phase, failure.code, failure.text, failure.error
+            )
+        )
         log.info("delivery to %s failed: %s", failure.target.host, failure.describe())
         return failure
 
@@ -664,13 +692,21 @@ class _Batch:
         except TimeoutError:
             state.dead = True
             return self._fail(
-                _Failure(c.CONNECT, None, f"connect timeout after {cfg.connect_timeout:g}s", target)
+                _Failure(
+                    c.CONNECT,
+                    None,
+                    f"connect timeout after {cfg.connect_timeout:g}s",
+                    target,
+                    "timeout_connect",
+                )
             )
         except Exception as exc:  # noqa: BLE001 - refused, unreachable, DNS
             state.dead = True
             errno = getattr(exc, "errno", None)
             why = os.strerror(errno) if errno else str(exc) or type(exc).__name__
-            return self._fail(_Failure(c.CONNECT, None, f"connect failed: {why}", target))
+            return self._fail(
+                _Failure(c.CONNECT, None, f"connect failed: {why}", target, "refused")
+            )
 
         conn = _Connection(reader, writer, target, cfg)
         try:
@@ -696,7 +732,7 @@ class _Batch:
             return conn
         except _SessionFailed as exc:
             await _discard(conn, polite=exc.code is not None)
-            return self._fail(_Failure(exc.phase, exc.code, exc.text, target))
+            return self._fail(_Failure(exc.phase, exc.code, exc.text, target, exc.error))
         except Exception as exc:  # a bug must not escape as an exception
             log.exception("unexpected error opening %s", target.host)
             conn.abort()
@@ -742,7 +778,13 @@ class _Batch:
             while remaining:
                 if conn.need_rset:
                     await conn.rset()
-                rec = _Recorder(remaining[0], conn.target, clock.now(), time.monotonic())
+                rec = _Recorder(
+                    remaining[0],
+                    conn.target,
+                    clock.now(),
+                    time.monotonic(),
+                    peer_dsn="DSN" in conn.extensions,
+                )
                 await conn.send(remaining[0], rec)
                 self.results.extend(rec.results())
                 remaining.popleft()
@@ -832,5 +874,8 @@ async def deliver(
     if workers:
         await asyncio.gather(*(worker() for _ in range(workers)))
     return BatchResult(
-        results=batch.results, connected=batch.connected, connection_error=batch.connection_error
+        results=batch.results,
+        connected=batch.connected,
+        connection_error=batch.connection_error,
+        host_failures=batch.host_failures,
     )

@@ -96,6 +96,23 @@ class RecipientResult:
     duration_ms: int = 0
     # "recipient", "message" or "connection": which kind of failure this was
     scope: str = "recipient"
+    # the peer advertised DSN (it takes over NOTIFY=SUCCESS, RFC 3461 "relayed")
+    peer_dsn: bool = False
+
+
+@dataclass(frozen=True)
+class HostFailure:
+    """One target that could not be used, for per-host retry data."""
+
+    host: str
+    ip: str
+    port: int
+    phase: str
+    code: int | None
+    text: str
+    # Exim error name without the _MX/_A suffix: refused, timeout_connect,
+    # timeout, lost_connection, or "" when only "*" describes it
+    error: str = ""
 
 
 @dataclass
@@ -105,3 +122,4 @@ class BatchResult:
     connected: bool = False
     # the last per-connection error when every host failed (for the link)
     connection_error: str = ""
+    host_failures: list[HostFailure] = field(default_factory=list)
