@@ -12,6 +12,10 @@ class DeliveryConfig(AppConfig):
 
         validate_routing_settings()
 
+        from delivery.retry import validate_retry_settings
+
+        validate_retry_settings()
+
         from queues.signals import categorizer_work, link_work
 
         categorizer_work.connect(_ring_categorizer, dispatch_uid="delivery.bell.categorizer")

@@ -17,7 +17,7 @@ from django.db.models import F
 from delivery import bell, retry
 from delivery.routing import Router
 from delivery.types import Route, RouteError
-from queues import clock
+from queues import clock, dsn
 from queues.models import (
     Attempt,
     AttemptOutcome,
@@ -31,6 +31,7 @@ from queues.models import (
     RecipientState,
 )
 from queues.services.messages import messages_finish
+from queues.services.notify import notify
 from queues.services.routing import queue_for_route, special_queue
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,14 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
     now = clock.now()
     links: set[int] = set()
     failed: list[Attempt] = []
+    failed_ids: list[int] = []
     for domain, placement in placements.items():
         if not placement.recipient_ids:
             continue
-        rows = Recipient.objects.filter(id__in=placement.recipient_ids)
+        # SUBMITTED only: an expiry or an operator may have finished a row meanwhile.
+        rows = Recipient.objects.filter(
+            id__in=placement.recipient_ids, state=RecipientState.SUBMITTED
+        )
         if placement.route is not None:
             route = placement.route
             queue = queue_for_route(
@@ -134,7 +139,9 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
         assert error is not None
         code = 550 if error.permanent else 451
         if error.permanent:
+            failed_ids.extend(placement.recipient_ids)
             rows.update(
+                queue=special_queue(DeliveryType.DEAD_LETTER, now),
                 state=RecipientState.FAILED,
                 final_at=now,
                 last_attempt_at=now,
@@ -170,11 +177,23 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
                 )
             )
     Attempt.objects.bulk_create(failed)
+    _notify_failures(failed_ids, now)
     Message.objects.filter(id__in=message_ids).update(
         state=MessageState.QUEUED, lease_owner="", lease_until=None, crash_count=0
     )
     messages_finish(message_ids, now)
     return links
+
+
+def _notify_failures(recipient_ids: list[int], now) -> None:
+    """NDRs for recipients that cannot be routed at all (null MX, NXDOMAIN)."""
+    if not recipient_ids:
+        return
+    by_message: dict[int, list[Recipient]] = defaultdict(list)
+    for r in Recipient.objects.filter(id__in=recipient_ids):
+        by_message[r.message_id].append(r)
+    for message in Message.objects.filter(id__in=list(by_message)).exclude(mail_from=""):
+        notify(dsn.FAILURE, message, by_message[message.pk], now=now)
 
 
 def categorize_pending(owner: str | None = None, limit: int | None = None) -> int:

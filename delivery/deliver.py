@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 
 from delivery import retry
+from delivery import retryrules as rr
 from delivery.categorize import worker_id
 from delivery.routing import order_targets
 from delivery.smtp_client import ClientConfig, deliver
@@ -22,20 +24,25 @@ from delivery.types import (
     OutboundRecipient,
     RecipientResult,
 )
-from queues import clock
+from queues import clock, dsn
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     Attempt,
     AttemptOutcome,
     AttemptPhase,
+    DeliveryType,
     Link,
     LinkState,
     Message,
     Queue,
     Recipient,
     RecipientState,
+    RetryHint,
 )
+from queues.services.hints import hints_clear, hints_load, hints_save
 from queues.services.messages import messages_finish
+from queues.services.notify import notify
+from queues.services.routing import special_queue
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +102,10 @@ def _claim(link_id: int, limit: int) -> list[int]:
 def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
     rows = Recipient.objects.filter(id__in=recipient_ids).order_by("message_id", "id")
     by_message: dict[int, list[OutboundRecipient]] = defaultdict(list)
-    for rid, mid, address, orcpt, notify in rows.values_list(
+    for rid, mid, address, orcpt, notify_ in rows.values_list(
         "id", "message_id", "address", "orcpt", "notify"
     ):
-        by_message[mid].append(OutboundRecipient(rid, address, orcpt, notify))
+        by_message[mid].append(OutboundRecipient(rid, address, orcpt, notify_))
     messages = []
     for m in Message.objects.filter(id__in=list(by_message)).values(
         "id", "mail_from", "data", "body_type", "smtputf8", "ret", "envid"
@@ -142,35 +149,197 @@ def _no_route_results(messages: list[OutboundMessage], error: str) -> BatchResul
     )
 
 
+@dataclass
+class _Round:
+    """What one round decided, collected before it is written in one transaction."""
+
+    now: datetime
+    failed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
+    timed_out: set[int] = field(default_factory=set)  # recipient ids failed by a retry cutoff
+    relayed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
+    message_failures: set[int] = field(default_factory=set)
+    address_hints: list[RetryHint] = field(default_factory=list)
+    cleared_hints: list[str] = field(default_factory=list)
+
+
+def _via_mx(link: Link) -> bool:
+    return any(not h.get("literal", False) for h in link.hosts)
+
+
+def _link_failed(link: Link, batch: BatchResult, domain: str, now: datetime) -> bool:
+    """Every host failed: put the link in Retry. Returns True when the retry
+    rule's final cutoff has passed (the recipients time out)."""
+    last = batch.host_failures[-1] if batch.host_failures else None
+    error = retry.error_name(
+        last.phase if last else "connect",
+        last.code if last else None,
+        last.error if last else "",
+        _via_mx(link),
+    )
+    first_failed = link.first_failure_at or now
+    decision = retry.decide(
+        address=f"postmaster@{domain}",
+        host=(last.host if last and last.host else None) or domain,
+        error=error,
+        first_failed=first_failed,
+        last_tried=link.last_error_at or now,
+        next_try=link.next_retry_at,
+        now=now,
+    )
+    link.failure_count += 1
+    link.state = LinkState.RETRY
+    link.first_failure_at = first_failed
+    link.next_retry_at = decision.at
+    link.last_error = batch.connection_error
+    link.last_error_at = now
+    return decision.timed_out
+
+
+def _host_hints(link: Link, batch: BatchResult, domain: str, now: datetime) -> list[RetryHint]:
+    """Exim's per-host retry data for every host that could not be used."""
+    keys = {rr.host_key(f.host, f.ip): f for f in batch.host_failures if f.host}
+    if not keys:
+        return []
+    existing = hints_load(keys)
+    active = retry.rules()
+    saved = []
+    for key, f in keys.items():
+        error = retry.error_name(f.phase, f.code, f.error, _via_mx(link))
+        rule = active.find(f"postmaster@{domain}", host=f.host, error=error or None)
+        old = existing.get(key)
+        outcome = rr.record_failure(
+            _as_hint(old),
+            key=key,
+            rule=rule,
+            now=now,
+            error=error,
+            text=f.text,
+            options=active.options,
+        )
+        h = outcome.hint
+        saved.append(
+            RetryHint(
+                key=key,
+                first_failed=h.first_failed,
+                last_tried=h.last_tried,
+                next_try=h.next_try,
+                expired=h.expired,
+                error=h.error,
+                text=h.text[:2000],
+            )
+        )
+    return saved
+
+
+def _as_hint(row: RetryHint | None) -> rr.RetryHint | None:
+    if row is None:
+        return None
+    return rr.RetryHint(
+        row.key, row.first_failed, row.last_tried, row.next_try, row.expired, row.error, row.text
+    )
+
+
+def _defer(
+    row: Recipient,
+    res: RecipientResult,
+    link: Link,
+    batch: BatchResult,
+    link_timed_out: bool,
+    sender: str,
+    rnd: _Round,
+) -> None:
+    """Decide a deferred recipient's next try (or its timeout)."""
+    now = rnd.now
+    first_failed = row.first_failure_at or now
+    row.first_failure_at = first_failed
+    if res.scope == "connection" and not batch.connected:
+        if link_timed_out:
+            rnd.timed_out.add(row.id)
+            return
+        row.next_attempt_at = link.next_retry_at or now
+        return
+    host_error = (
+        ("lost_connection" if res.code is None else "") if res.scope == "connection" else ""
+    )
+    error = retry.error_name(res.phase, res.code, host_error, _via_mx(link))
+    decision = retry.decide(
+        address=row.address,
+        error=error,
+        host=(res.host or None) if host_error else None,
+        sender=sender,
+        first_failed=first_failed,
+        last_tried=row.last_attempt_at or now,
+        next_try=row.next_attempt_at,
+        now=now,
+    )
+    if decision.timed_out:
+        rnd.timed_out.add(row.id)
+        return
+    row.next_attempt_at = decision.at
+    if res.scope == "message":
+        rnd.message_failures.add(row.message_id)
+    if res.phase == "rcpt":
+        rnd.address_hints.append(
+            RetryHint(
+                key=rr.address_key(row.address, sender),
+                first_failed=first_failed,
+                last_tried=now,
+                next_try=decision.at,
+                expired=False,
+                error=error,
+                text=res.text[:2000],
+            )
+        )
+
+
 def _record(link: Link, batch: BatchResult) -> None:
-    """Write one round's outcome: attempts, recipient states, messages, link state.
+    """Write one round's outcome: attempts, recipient states, notifications, link state.
 
     Steps:
     1. one Attempt row per result;
-    2. recipients: delivered/failed become final; deferred get their next try
-       (connection failures wait for the link's retry time);
-    3. messages whose recipients are all final are done;
-    4. the link is Ready again after any connection, or in Retry when every host failed.
+    2. every host that could not be used gets its retry hint; a link whose
+       every host failed goes to Retry at the time its retry rule gives;
+    3. recipients: delivered and failed become final (failed ones move to the
+       Dead-letter queue); deferred ones get their next try from the retry rule,
+       or fail when the rule's final cutoff has passed;
+    4. in the same transaction: the NDRs and "relayed" DSNs owed, messages whose
+       recipients are all final are done, problem-message counters.
     """
     now = clock.now()
     results = batch.results
     rows = {
         r.id: r
         for r in Recipient.objects.filter(id__in=[x.recipient_id for x in results]).only(
-            "id", "attempt_count", "first_failure_at", "queue_id"
+            "id",
+            "message_id",
+            "address",
+            "orcpt",
+            "notify",
+            "attempt_count",
+            "first_failure_at",
+            "last_attempt_at",
+            "next_attempt_at",
+            "queue_id",
         )
     }
+    senders = dict(
+        Message.objects.filter(id__in={r.message_id for r in rows.values()}).values_list(
+            "id", "mail_from"
+        )
+    )
+    domain = next(iter(rows.values())).address.rpartition("@")[2] if rows else link.name
+    rnd = _Round(now)
+    host_hints = _host_hints(link, batch, domain, now)
+    link_timed_out = False
     if batch.connected:
         link.state, link.failure_count, link.next_retry_at = LinkState.READY, 0, None
+        link.first_failure_at = None
     else:
-        link.failure_count += 1
-        link.state = LinkState.RETRY
-        link.next_retry_at = retry.link_retry_at(link.failure_count, now)
-        link.last_error = batch.connection_error
-        link.last_error_at = now
+        link_timed_out = _link_failed(link, batch, domain, now)
     attempts = []
     delivered_queues: set[int] = set()
     errors_by_queue: dict[int, str] = {}
+    dead_letter = None
     for res in results:
         row = rows.get(res.recipient_id)
         if row is None:  # removed by an operator meanwhile
@@ -192,60 +361,105 @@ def _record(link: Link, batch: BatchResult) -> None:
                 outcome=res.outcome,
             )
         )
+        sender = senders.get(row.message_id, "")
         row.attempt_count += 1
+        row.lease_until = None
+        if res.outcome == AttemptOutcome.DEFERRED:
+            _defer(row, res, link, batch, link_timed_out, sender, rnd)
+            errors_by_queue[row.queue_id] = res.text
         row.last_attempt_at = res.started_at or now
         row.last_code = res.code
         row.last_enhanced = res.enhanced[:16]
         row.last_text = res.text
         row.last_host = f"{res.host} [{res.ip}]" if res.ip else res.host
-        row.lease_until = None
         if res.outcome == AttemptOutcome.DELIVERED:
             row.state, row.final_at = RecipientState.DELIVERED, now
             delivered_queues.add(row.queue_id)
-        elif res.outcome == AttemptOutcome.FAILED:
-            row.state, row.final_at = RecipientState.FAILED, now
+            rnd.cleared_hints.append(rr.address_key(row.address, sender))
+            if res.host:
+                rnd.cleared_hints.append(rr.host_key(res.host, res.ip))
+            if "SUCCESS" in row.notify.upper() and not res.peer_dsn:
+                rnd.relayed[row.message_id].append(row)
+        elif res.outcome == AttemptOutcome.FAILED or row.id in rnd.timed_out:
+            dead_letter = dead_letter or special_queue(DeliveryType.DEAD_LETTER, now)
+            row.state, row.final_at, row.queue_id = RecipientState.FAILED, now, dead_letter.pk
+            if row.id in rnd.timed_out:
+                row.last_text = f"retry timeout exceeded; last error: {res.text}"
+            rnd.failed[row.message_id].append(row)
         else:
             row.state = RecipientState.DEFERRED
-            row.first_failure_at = row.first_failure_at or now
-            if res.scope == "connection" and link.next_retry_at:
-                row.next_attempt_at = link.next_retry_at
-            else:
-                row.next_attempt_at = retry.recipient_retry_at(row.attempt_count, now)
-            errors_by_queue[row.queue_id] = res.text
     with transaction.atomic():
         Attempt.objects.bulk_create(attempts)
-        Recipient.objects.bulk_update(
-            list(rows.values()),
-            [
-                "state",
-                "attempt_count",
-                "last_attempt_at",
-                "last_code",
-                "last_enhanced",
-                "last_text",
-                "last_host",
-                "lease_until",
-                "final_at",
-                "first_failure_at",
-                "next_attempt_at",
-            ],
-        )
+        Recipient.objects.bulk_update(list(rows.values()), RECIPIENT_UPDATE_FIELDS)
+        hints_save(host_hints + rnd.address_hints)
+        hints_clear(rnd.cleared_hints)
+        _notify_round(rnd)
+        if rnd.message_failures:
+            threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
+            Message.objects.filter(id__in=rnd.message_failures).update(
+                per_message_failures=F("per_message_failures") + 1
+            )
+            Message.objects.filter(
+                id__in=rnd.message_failures, per_message_failures__gte=threshold
+            ).update(problem=True)
         messages_finish({r.message_id for r in results}, now)
         if delivered_queues:
             Queue.objects.filter(id__in=delivered_queues).update(last_delivery_at=now)
             link.last_success_at = now
         for queue_id, text in errors_by_queue.items():
             Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
-        link.save(
-            update_fields=[
-                "state",
-                "failure_count",
-                "next_retry_at",
-                "last_error",
-                "last_error_at",
-                "last_success_at",
-            ]
-        )
+        link.save(update_fields=LINK_UPDATE_FIELDS)
+
+
+RECIPIENT_UPDATE_FIELDS = [
+    "state",
+    "attempt_count",
+    "last_attempt_at",
+    "last_code",
+    "last_enhanced",
+    "last_text",
+    "last_host",
+    "lease_until",
+    "final_at",
+    "first_failure_at",
+    "next_attempt_at",
+    "queue_id",
+]
+LINK_UPDATE_FIELDS = [
+    "state",
+    "failure_count",
+    "first_failure_at",
+    "next_retry_at",
+    "last_error",
+    "last_error_at",
+    "last_success_at",
+]
+
+
+def _notify_round(rnd: _Round) -> None:
+    ids = set(rnd.failed) | set(rnd.relayed)
+    if not ids:
+        return
+    messages = {m.pk: m for m in Message.objects.filter(id__in=ids).exclude(mail_from="")}
+    for mid, rows in rnd.failed.items():
+        if mid in messages:
+            notify(dsn.FAILURE, messages[mid], rows, now=rnd.now)
+    for mid, rows in rnd.relayed.items():
+        if mid in messages:
+            notify(dsn.SUCCESS, messages[mid], rows, now=rnd.now)
+
+
+def _usable_targets(targets: list, now: datetime) -> list:
+    """Skip hosts whose retry time has not come (Exim); all of them if none is left."""
+    hints = hints_load(rr.host_key(t.host, t.ip) for t in targets)
+    if not hints:
+        return targets
+    ready = [
+        t
+        for t in targets
+        if (h := hints.get(rr.host_key(t.host, t.ip))) is None or h.next_try <= now
+    ]
+    return ready or targets
 
 
 def deliver_round(link: Link, config: ClientConfig) -> int:
@@ -257,6 +471,7 @@ def deliver_round(link: Link, config: ClientConfig) -> int:
     messages = _load_batch(ids)
     hops = [NextHop.from_json(h) for h in link.hosts]
     targets, error = order_targets(hops)
+    targets = _usable_targets(targets, clock.now())
     if not targets:
         batch = _no_route_results(messages, error or "no address for the next hop")
     else:

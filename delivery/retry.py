@@ -1,37 +1,180 @@
-"""When to try again. The one place the retry schedule is decided.
+"""When to try again: the one place the retry schedule is decided.
 
-This is the simple schedule of the relay core; the Exchange/Exim retry
-policy replaces the bodies of these functions, not their callers.
+How Exchange's counters and Exim's rules combine (README, "Retry"):
+
+* The schedule is always computed by the Exim rule engine
+  (:mod:`delivery.retryrules`). The rule list is the operator's file
+  (``MAILRELAY_RETRY_RULES``), followed by rules *compiled from Exchange's
+  settings*; the first match wins, so a file rule overrides Exchange's
+  behaviour only for the addresses and errors it matches.
+* Compiled connection rule (any error of a link whose hosts all failed):
+  ``* * F,<glitch window>,<glitch interval>; F,<transient window>,<transient
+  interval>; F,<forever>,<outbound connection failure interval>`` —
+  4 retries 1 min apart, 6 retries 5 min apart, then every 10 min.
+* Compiled message rule (RCPT/MAIL/DATA 4xx): the first
+  ``PerMsgFailuresBeforeMarkingAsProblem - 1`` failures retry at the glitch
+  interval, then the problem-message interval (15 min).
+* Windows carry half an interval of slack: cutoffs are measured from the
+  first failure, and real retries run a little late, which must not skip a
+  step. The last set never ends: Exchange gives up by message expiration
+  (``MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT``, from arrival), which applies to
+  every rule. A file rule whose final cutoff passes fails the recipients
+  it covers (Exim's timeout), before expiration.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import lru_cache
 
 from django.conf import settings
 
-# Exchange's glitch retry (1 min) first, then widening steps.
-SIMPLE_SCHEDULE = (
-    timedelta(minutes=1),
-    timedelta(minutes=5),
-    timedelta(minutes=15),
-    timedelta(minutes=30),
-    timedelta(hours=1),
+from delivery.retryrules import (
+    NextRetry,
+    RetryOptions,
+    RetryRules,
+    Rule,
+    format_duration,
+    load_rules,
+    next_retry,
+    parse_rules,
 )
 
-
-def _step(count: int) -> timedelta:
-    return SIMPLE_SCHEDULE[min(max(count, 1), len(SIMPLE_SCHEDULE)) - 1]
-
-
-def recipient_retry_at(attempt_count: int, now: datetime) -> datetime:
-    """Next try for a recipient deferred by its own (RCPT) or its message's failure."""
-    return now + _step(attempt_count)
+FOREVER = timedelta(days=36500)
+MESSAGE_ERRORS = ("rcpt_4xx", "mail_4xx", "data_4xx")
 
 
-def link_retry_at(failure_count: int, now: datetime) -> datetime:
-    """Next connection attempt for a next hop whose every host failed."""
-    return now + _step(failure_count)
+def _fmt(value: timedelta) -> str:
+    return format_duration(value) if value > timedelta(0) else "0s"
+
+
+def exchange_rules_text() -> str:
+    """Exim rules that reproduce Exchange's retry timers from the settings."""
+    s = settings
+    glitch_n = s.MAILRELAY_QUEUE_GLITCH_RETRY_COUNT
+    glitch = s.MAILRELAY_QUEUE_GLITCH_RETRY_INTERVAL
+    transient_n = s.MAILRELAY_TRANSIENT_FAILURE_RETRY_COUNT
+    transient = s.MAILRELAY_TRANSIENT_FAILURE_RETRY_INTERVAL
+    outbound = s.MAILRELAY_OUTBOUND_CONNECTION_FAILURE_RETRY_INTERVAL
+    sets: list[str] = []
+    # Failures at 0, g, 2g, ... (n-1)g are each followed by a glitch retry.
+    elapsed = timedelta(0)
+    if glitch_n > 0:
+        sets.append(f"F,{_fmt((glitch_n - 1) * glitch + glitch / 2)},{_fmt(glitch)}")
+        elapsed = glitch_n * glitch
+    if transient_n > 0:
+        sets.append(
+            f"F,{_fmt(elapsed + (transient_n - 1) * transient + transient / 2)},{_fmt(transient)}"
+        )
+    sets.append(f"F,{_fmt(FOREVER)},{_fmt(outbound)}")
+    connection = "; ".join(sets)
+
+    problem_n = s.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
+    msg_sets = []
+    if problem_n > 1:
+        msg_sets.append(f"F,{_fmt((problem_n - 2) * glitch + glitch / 2)},{_fmt(glitch)}")
+    msg_sets.append(f"F,{_fmt(FOREVER)},{_fmt(s.MAILRELAY_MESSAGE_RETRY_INTERVAL)}")
+    message = "; ".join(msg_sets)
+    lines = ["# compiled from the Exchange retry settings"]
+    lines += [f"*  {error}  {message}" for error in MESSAGE_ERRORS]
+    lines.append(f"*  *  {connection}")
+    return "\n".join(lines) + "\n"
+
+
+def _options() -> RetryOptions:
+    return RetryOptions(
+        retry_interval_max=settings.MAILRELAY_RETRY_INTERVAL_MAX,
+        retry_data_expire=settings.MAILRELAY_RETRY_DATA_EXPIRE,
+        delay_after_cutoff=settings.MAILRELAY_DELAY_AFTER_CUTOFF,
+    )
+
+
+def _settings_key() -> tuple:
+    s = settings
+    return (
+        s.MAILRELAY_RETRY_RULES,
+        s.MAILRELAY_QUEUE_GLITCH_RETRY_COUNT,
+        s.MAILRELAY_QUEUE_GLITCH_RETRY_INTERVAL,
+        s.MAILRELAY_TRANSIENT_FAILURE_RETRY_COUNT,
+        s.MAILRELAY_TRANSIENT_FAILURE_RETRY_INTERVAL,
+        s.MAILRELAY_OUTBOUND_CONNECTION_FAILURE_RETRY_INTERVAL,
+        s.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM,
+        s.MAILRELAY_MESSAGE_RETRY_INTERVAL,
+        s.MAILRELAY_RETRY_INTERVAL_MAX,
+        s.MAILRELAY_RETRY_DATA_EXPIRE,
+        s.MAILRELAY_DELAY_AFTER_CUTOFF,
+    )
+
+
+@lru_cache(maxsize=8)
+def _rules_for(key: tuple) -> RetryRules:
+    options = _options()
+    compiled = parse_rules(exchange_rules_text(), source="Exchange settings", options=options)
+    path = key[0]
+    if not path:
+        return compiled
+    own = load_rules(path, options=options)
+    return RetryRules(own.rules + compiled.rules, options, f"{path} + Exchange settings")
+
+
+def rules() -> RetryRules:
+    """The active rule list (cached per settings; the file is read once per process)."""
+    return _rules_for(_settings_key())
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: datetime
+    timed_out: bool
+    rule: Rule | None
+
+
+def decide(
+    *,
+    address: str,
+    error: str,
+    first_failed: datetime,
+    last_tried: datetime,
+    next_try: datetime | None,
+    now: datetime,
+    host: str | None = None,
+    sender: str | None = None,
+) -> Decision:
+    """Next try for a failure, and whether the rule's final cutoff has passed."""
+    active = rules()
+    rule = active.find(address, host=host, error=error or None, sender=sender)
+    if rule is None and error:
+        rule = active.find(address, host=host, error=None, sender=sender)
+    if rule is None or not rule.params:
+        return Decision(now, True, rule)
+    step: NextRetry = next_retry(
+        rule, first_failed, last_tried, now, next_try=next_try, options=active.options
+    )
+    return Decision(step.at, step.expired, rule)
+
+
+def error_name(phase: str, code: int | None, host_error: str = "", via_mx: bool = True) -> str:
+    """The Exim error name of a failure (pure; by phase and code, never by text)."""
+    if phase in ("rcpt", "mail", "data") and code is not None and 400 <= code < 500:
+        return f"{phase}_{code}"
+    if host_error in ("refused", "timeout_connect"):
+        return f"{host_error}_{'MX' if via_mx else 'A'}"
+    if host_error == "timeout":
+        return "timeout_MX" if via_mx else "timeout_A"
+    return host_error  # lost_connection, or "" (matched by "*" only)
+
+
+def validate_retry_settings() -> None:
+    """Fail start-up on a bad rule file, naming the setting and the line."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from delivery.retryrules import RetryRuleError
+
+    try:
+        rules()
+    except RetryRuleError as exc:
+        raise ImproperlyConfigured(f"MAILRELAY_RETRY_RULES: {exc}") from None
 
 
 def categorizer_retry_at(now: datetime) -> datetime:

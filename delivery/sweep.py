@@ -7,6 +7,7 @@ broker leaves the work in PostgreSQL, and this periodic pass finds it.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -14,20 +15,27 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
 from delivery import bell
-from queues import clock
+from queues import clock, dsn
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     DeliveryType,
+    Event,
+    EventLevel,
     Link,
+    LinkState,
     Message,
     MessageState,
     Recipient,
     RecipientState,
 )
+from queues.services.messages import messages_finish
+from queues.services.notify import notify
+from queues.services.routing import special_queue
 
 log = logging.getLogger(__name__)
 
 PURGE_BATCH = 1000
+EXPIRE_BATCH = 1000
 
 
 @dataclass
@@ -38,6 +46,9 @@ class SweepReport:
     categorizer_rung: bool = False
     links_rung: list[int] = field(default_factory=list)
     purged: int = 0
+    expired: int = 0
+    delay_dsns: int = 0
+    resubmitted: int = 0
 
 
 def _reclaim_expired_claims(report: SweepReport) -> None:
@@ -93,9 +104,20 @@ def _links_with_due_work() -> list[int]:
 
 
 def _purge_completed(report: SweepReport) -> None:
-    cutoff = clock.now() - settings.MAILRELAY_COMPLETED_RETENTION
+    """Delete finished messages: delivered ones after MAILRELAY_COMPLETED_RETENTION,
+    those holding dead letters after MAILRELAY_DEAD_LETTER_RETENTION."""
+    now = clock.now()
+    in_dead_letter = Recipient.objects.filter(
+        message=OuterRef("pk"), queue__delivery_type=DeliveryType.DEAD_LETTER
+    )
+    done = Message.objects.filter(state=MessageState.DONE)
     ids = list(
-        Message.objects.filter(state=MessageState.DONE, completed_at__lt=cutoff).values_list(
+        done.filter(completed_at__lt=now - settings.MAILRELAY_COMPLETED_RETENTION)
+        .exclude(Exists(in_dead_letter))
+        .values_list("id", flat=True)[:PURGE_BATCH]
+    )
+    ids += list(
+        done.filter(completed_at__lt=now - settings.MAILRELAY_DEAD_LETTER_RETENTION).values_list(
             "id", flat=True
         )[:PURGE_BATCH]
     )
@@ -104,18 +126,121 @@ def _purge_completed(report: SweepReport) -> None:
     report.purged = len(ids)
 
 
+def _expire(report: SweepReport) -> None:
+    """Fail what is still waiting past its message's expiry, with an NDR (Exchange)."""
+    now = clock.now()
+    with transaction.atomic():
+        rows = list(
+            Recipient.objects.select_for_update(skip_locked=True, of=("self",))
+            .filter(
+                state__in=WAITING_RECIPIENT_STATES + (RecipientState.SUBMITTED,),
+                message__expires_at__lte=now,
+            )
+            .order_by("message_id")[:EXPIRE_BATCH]
+        )
+        if not rows:
+            return
+        dead_letter = special_queue(DeliveryType.DEAD_LETTER, now)
+        by_message: dict[int, list[Recipient]] = defaultdict(list)
+        for r in rows:
+            r.state, r.final_at, r.queue_id = RecipientState.EXPIRED, now, dead_letter.pk
+            r.last_enhanced = "4.4.7"
+            r.last_text = (
+                "message expired: not delivered within "
+                f"{settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT} of arrival"
+                + (f"; last error: {r.last_text}" if r.last_text else "")
+            )
+            by_message[r.message_id].append(r)
+        Recipient.objects.bulk_update(
+            rows, ["state", "final_at", "queue_id", "last_enhanced", "last_text"]
+        )
+        for message in Message.objects.filter(id__in=list(by_message)):
+            notify(dsn.FAILURE, message, by_message[message.pk], now=now, expired=True)
+        messages_finish(by_message, now)
+    report.expired = len(rows)
+
+
+def _delay_notifications(report: SweepReport) -> None:
+    """One "delayed" DSN per message still waiting DelayNotificationTimeOut after arrival."""
+    now = clock.now()
+    with transaction.atomic():
+        rows = list(
+            Recipient.objects.select_for_update(skip_locked=True, of=("self",))
+            .filter(
+                state__in=WAITING_RECIPIENT_STATES,
+                delay_dsn_sent=False,
+                message__received_at__lte=now - settings.MAILRELAY_DELAY_NOTIFICATION_TIMEOUT,
+            )
+            .order_by("message_id")[:EXPIRE_BATCH]
+        )
+        if not rows:
+            return
+        by_message: dict[int, list[Recipient]] = defaultdict(list)
+        for r in rows:
+            by_message[r.message_id].append(r)
+        Recipient.objects.filter(id__in=[r.id for r in rows]).update(delay_dsn_sent=True)
+        for message in Message.objects.filter(id__in=list(by_message)):
+            if notify(dsn.DELAY, message, by_message[message.pk], now=now):
+                report.delay_dsns += 1
+
+
+def _auto_resubmit(report: SweepReport) -> None:
+    """A link in Retry that has delivered nothing for MaxIdleTimeBeforeResubmit sends
+    its messages back to the categorizer: the route may have changed (Exchange)."""
+    now = clock.now()
+    idle = now - settings.MAILRELAY_MAX_IDLE_TIME_BEFORE_RESUBMIT
+    links = list(
+        Link.objects.filter(state=LinkState.RETRY, first_failure_at__lte=idle).filter(
+            Q(last_success_at__isnull=True) | Q(last_success_at__lte=idle)
+        )
+    )
+    for link in links:
+        with transaction.atomic():
+            ids = list(
+                Recipient.objects.filter(
+                    queue__link=link, state__in=WAITING_RECIPIENT_STATES
+                ).values_list("id", flat=True)
+            )
+            message_ids = set(
+                Recipient.objects.filter(id__in=ids).values_list("message_id", flat=True)
+            )
+            Recipient.objects.filter(id__in=ids).update(
+                queue=None, state=RecipientState.SUBMITTED, next_attempt_at=now
+            )
+            Message.objects.filter(id__in=message_ids, state=MessageState.QUEUED).update(
+                state=MessageState.SUBMISSION, next_attempt_at=now
+            )
+            # The idle window starts again, so this happens once per window.
+            Link.objects.filter(pk=link.pk).update(first_failure_at=now)
+            Event.objects.create(
+                created_at=now,
+                level=EventLevel.WARNING,
+                kind="auto_resubmit",
+                text=f"link {link.name} delivered nothing for "
+                f"{settings.MAILRELAY_MAX_IDLE_TIME_BEFORE_RESUBMIT}; "
+                f"{len(ids)} recipients resubmitted to the categorizer",
+                data={"link": link.pk, "recipients": len(ids)},
+            )
+        report.resubmitted += len(ids)
+
+
 def sweep() -> SweepReport:
     """One pass over the queue store.
 
     Steps:
     1. take back claims whose lease expired (dead deliveries, dead categorizers, links);
-    2. send Unreachable recipients whose retry time came back to the categorizer;
-    3. ring the categorizer when Submission holds due messages;
-    4. ring every link with due recipients that no live task owns;
-    5. purge messages completed longer ago than MAILRELAY_COMPLETED_RETENTION.
+    2. expire what waited past its message's expiry (NDR), send the delay DSNs
+       owed, resubmit the messages of links idle in Retry for too long;
+    3. send Unreachable recipients whose retry time came back to the categorizer;
+    4. ring the categorizer when Submission holds due messages;
+    5. ring every link with due recipients that no live task owns;
+    6. purge messages completed longer ago than MAILRELAY_COMPLETED_RETENTION.
     """
     report = SweepReport()
     _reclaim_expired_claims(report)
+    _expire(report)
+    _delay_notifications(report)
+    _auto_resubmit(report)
     _resubmit_due_unreachable(report)
     if Message.objects.filter(
         state=MessageState.SUBMISSION, next_attempt_at__lte=clock.now(), suspended=False

@@ -79,6 +79,10 @@ class Queue(models.Model):
     # Shown by the Queue Viewer; maintained by the engine, never counted per page view.
     message_count = models.PositiveIntegerField(default=0)
     counted_at = models.DateTimeField(null=True, blank=True)
+    # Also refreshed by queues_recount (queues.services.counts), with message_count.
+    incoming_rate = models.FloatField(default=0)  # messages per minute arriving
+    outgoing_rate = models.FloatField(default=0)  # messages per minute leaving (delivered/failed)
+    oldest_received_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField()
 
     class Meta:
@@ -152,6 +156,13 @@ class Message(models.Model):
             ),
             # purge of completed messages
             models.Index(fields=["completed_at"], name="message_done", condition=Q(state="done")),
+            # Queue Viewer message list: ORDER BY received_at DESC, id DESC with a keyset
+            # (received_at, id) < (cursor); the age filters (older/newer than)
+            models.Index(fields=["received_at", "id"], name="message_received"),
+            # Queue Viewer message list sorted by size, and the min/max size filters
+            models.Index(fields=["size", "id"], name="message_size"),
+            # Substring filters on mail_from, subject and message_id use pg_trgm GIN
+            # indexes created by migration 0003 on PostgreSQL only (not in model state).
         ]
 
     def __str__(self) -> str:
@@ -216,6 +227,11 @@ class Recipient(models.Model):
             models.Index(
                 fields=["message"], name="recipient_submitted", condition=Q(state="submitted")
             ),
+            # Queue Viewer message list filtered by recipient domain:
+            # WHERE EXISTS (SELECT 1 FROM recipient WHERE domain = %s AND message_id = m.id)
+            models.Index(fields=["domain", "message"], name="recipient_domain"),
+            # Substring filters on address and last_text use pg_trgm GIN indexes created
+            # by migration 0003 on PostgreSQL only (not in model state).
         ]
 
     def __str__(self) -> str:
@@ -299,6 +315,40 @@ class RetryHint(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["last_tried"], name="retryhint_by_last_tried")]
+
+
+class QueueSample(models.Model):
+    """One queue's depth and traffic at one recount (queues_recount), for the
+    Queue Viewer's last-hour chart. ``queue`` is None for the all-queues total.
+    Rows older than two hours are pruned by the recount that writes new ones.
+    """
+
+    sampled_at = models.DateTimeField()
+    queue = models.ForeignKey(
+        Queue,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="samples",
+        db_index=False,  # queuesample_by_queue leads with queue
+    )
+    seconds = models.FloatField()  # length of the interval this sample covers
+    depth = models.PositiveIntegerField()  # messages waiting at sampled_at
+    incoming = models.PositiveIntegerField(default=0)  # messages that arrived in the interval
+    delivered = models.PositiveIntegerField(default=0)  # recipients delivered in the interval
+    failed = models.PositiveIntegerField(default=0)  # recipients failed in the interval
+    # The highest Attempt id counted so far: the next recount counts the ones after it.
+    attempt_mark = models.BigIntegerField(default=0)
+    # The highest Message id seen so far (arrivals of the total row).
+    message_mark = models.BigIntegerField(default=0)
+
+    class Meta:
+        indexes = [
+            # chart of one queue: WHERE queue_id = %s AND sampled_at >= now - 1h ORDER BY sampled_at
+            models.Index(fields=["queue", "sampled_at"], name="queuesample_by_queue"),
+            # pruning (sampled_at < now - 2h) and the previous-sample lookup
+            models.Index(fields=["sampled_at"], name="queuesample_by_time"),
+        ]
 
 
 class AuditEntry(models.Model):

@@ -1,0 +1,439 @@
+"""Pure inbound policy: RFC 5321 paths, ESMTP parameters, and the relay decision.
+
+Nothing here touches the network, the database or settings; the server
+passes in what it read at start. Every refusal is a ``Refused`` carrying a
+reply from ``replies``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import re
+import string
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from delivery.inbound import replies
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+# Our columns (Message.mail_from, Recipient.address) hold 512 characters;
+# RFC 5321 4.5.3.1.3 allows 256 octets for a whole path.
+MAX_ADDRESS_LENGTH = 500
+MAX_DOMAIN_LENGTH = 255
+MAX_ENVID_LENGTH = 100  # RFC 3461 4.4
+MAX_ORCPT_LENGTH = 500  # RFC 3461 4.2
+
+_ATEXT = frozenset(string.ascii_letters + string.digits + "!#$%&'*+-/=?^_`{|}~")
+# Real-world local parts break the dot-atom rules ("a..b", "a.") and nobody
+# is harmed by relaying them, so dots are accepted anywhere.
+_LOCAL_CHARS = _ATEXT | {"."}
+# Letters, digits, hyphen; underscore too, as Postfix allows it in host names.
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?\Z")
+_ESMTP_KEYWORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
+# esmtp-value: %d33-60 / %d62-126, plus UTF-8 (RFC 6531 3.3)
+_ESMTP_VALUE = re.compile(r"[!-<>-~\u0080-\ud7ff\ue000-\U0010ffff]+\Z")
+# xtext (RFC 3461 4): "!".."~" except "+" and "=", or "+" and two upper-case hex digits
+_XTEXT = re.compile(r"(?:[!-*,-<>-~]|\+[0-9A-F]{2})*\Z")
+# utf-8-addr-xtext / -unitext (RFC 6533 3): QCHAR, \x{HEX}, and UTF-8 with SMTPUTF8
+_UTF8_ADDR_ASCII = re.compile(r"(?:[!-*,-<>-\[\]-~]|\\x\{[0-9A-Fa-f]{1,6}\})+\Z")
+_UTF8_ADDR_UNICODE = re.compile(
+    r"(?:[!-*,-<>-\[\]-~\u0080-\ud7ff\ue000-\U0010ffff]|\\x\{[0-9A-Fa-f]{1,6}\})+\Z"
+)
+_ADDR_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
+_NOTIFY_VALUES = ("SUCCESS", "FAILURE", "DELAY")
+
+
+class Refused(Exception):  # noqa: N818 - it is a refusal, not an "error"
+    """A command is refused; ``reply`` is what the client gets."""
+
+    def __init__(self, reply: str) -> None:
+        super().__init__(reply)
+        self.reply = reply
+
+
+class PathSyntaxError(ValueError):
+    pass
+
+
+class NeedsSMTPUTF8(ValueError):  # noqa: N818
+    pass
+
+
+def domain_key(domain: str) -> str:
+    """A domain as compared with MAILRELAY_ACCEPTED_DOMAINS.
+
+    Lower case, without the trailing dot, and in A-labels, so that an
+    SMTPUTF8 recipient "exämple.com" matches "xn--exmple-cua.com".
+    """
+    key = domain.rstrip(".").lower()
+    if not key.isascii():
+        with contextlib.suppress(UnicodeError):  # not valid IDNA 2003: compare as given
+            key = key.encode("idna").decode("ascii")
+    return key
+
+
+@dataclass(frozen=True)
+class Mailbox:
+    """An RFC 5321 path as given: the local part keeps its quotes and case."""
+
+    local: str
+    domain: str  # "" when the client gave none
+    route: tuple[str, ...] = ()  # the A-d-l of "<@a,@b:user@c>", without the "@"
+
+    @property
+    def address(self) -> str:
+        return f"{self.local}@{self.domain}" if self.domain else self.local
+
+    @property
+    def domain_key(self) -> str:
+        return domain_key(self.domain)
+
+    @property
+    def routes_by_sender(self) -> bool:
+        """Does the address carry sender-specified routing?
+
+        A source route, or a "%", "!" or "@" in the local part (quoted or not):
+        ``user%host@relay``, ``host!user``, ``"user@ext"@relay`` all ask the
+        relay to pass mail on somewhere the domain part does not say.
+        """
+        return bool(self.route) or any(c in self.local for c in "%!@")
+
+
+@dataclass(frozen=True)
+class MailParams:
+    size: int | None = None
+    body: str = ""  # "7BIT" / "8BITMIME" / "" (not given)
+    smtputf8: bool = False
+    ret: str = ""  # "FULL" / "HDRS" / ""
+    envid: str = ""  # xtext, exactly as given
+
+
+@dataclass(frozen=True)
+class RcptParams:
+    notify: str = ""  # "NEVER" or e.g. "SUCCESS,FAILURE"
+    orcpt: str = ""  # "addr-type;xtext", exactly as given
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def split_path(arg: str) -> tuple[str, str, bool]:
+    """Split the text after ``FROM:``/``TO:`` into (path, parameters, bracketed).
+
+    A space after the colon and a path without angle brackets are tolerated
+    (many clients send them); a ``>`` inside a quoted local part does not end
+    the path.
+    """
+    text = arg.lstrip(" ")
+    if not text.startswith("<"):
+        path, _, rest = text.partition(" ")
+        return path, rest, False
+    in_quote = escaped = False
+    for pos in range(1, len(text)):
+        ch = text[pos]
+        if escaped:
+            escaped = False
+        elif in_quote and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            in_quote = not in_quote
+        elif ch == ">" and not in_quote:
+            rest = text[pos + 1 :]
+            if rest and not rest.startswith(" "):
+                raise PathSyntaxError("text after the path")
+            return text[1:pos], rest, True
+    raise PathSyntaxError("no closing '>'")
+
+
+def _is_utf8(ch: str) -> bool:
+    """A non-ASCII character that came from valid UTF-8 (not a surrogateescape byte)."""
+    code = ord(ch)
+    return code > 127 and not 0xD800 <= code <= 0xDFFF
+
+
+def _check_chars(text: str, utf8: bool) -> None:
+    for ch in text:
+        code = ord(ch)
+        if code < 33 or code == 127 or 0xD800 <= code <= 0xDFFF:
+            # controls, space, and undecodable bytes (surrogateescape)
+            raise PathSyntaxError(f"character {ch!r} not allowed")
+        if code > 127 and not utf8:
+            raise NeedsSMTPUTF8()
+
+
+def _parse_domain(text: str) -> str:
+    if not text:
+        raise PathSyntaxError("empty domain")
+    if len(text) > MAX_DOMAIN_LENGTH:
+        raise PathSyntaxError("domain too long")
+    if text.startswith("["):
+        if not text.endswith("]"):
+            raise PathSyntaxError("bad address literal")
+        inner = text[1:-1]
+        try:
+            if inner[:5].lower() == "ipv6:":
+                ipaddress.IPv6Address(inner[5:])
+            else:
+                ipaddress.IPv4Address(inner)
+        except ValueError:
+            raise PathSyntaxError("bad address literal") from None
+        return text
+    labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
+    for label in labels:
+        if len(label) > 63:
+            raise PathSyntaxError("label too long")
+        if label.isascii():
+            if not _LABEL.match(label):
+                raise PathSyntaxError(f"bad domain label {label!r}")
+        elif not label or any(not (c.isalnum() or c == "-" or ord(c) > 127) for c in label):
+            raise PathSyntaxError(f"bad domain label {label!r}")
+    return text
+
+
+def _parse_local(text: str, utf8: bool) -> tuple[str, str]:
+    """Return (local part as given, what follows it)."""
+    if text.startswith('"'):
+        pos = 1
+        while pos < len(text):
+            ch = text[pos]
+            if ch == "\\":
+                if pos + 1 >= len(text):
+                    break
+                pos += 2
+                continue
+            if ch == '"':
+                return text[: pos + 1], text[pos + 1 :]
+            pos += 1
+        raise PathSyntaxError("unterminated quoted local part")
+    local, at, rest = text.partition("@")
+    if not local:
+        raise PathSyntaxError("empty local part")
+    for ch in local:
+        if ch not in _LOCAL_CHARS and not (utf8 and _is_utf8(ch)):
+            raise PathSyntaxError(f"character {ch!r} not allowed in local part")
+    return local, at + rest
+
+
+def _check_quoted(local: str, utf8: bool) -> None:
+    # qtextSMTP is %d32-33 / %d35-91 / %d93-126; quoted-pairSMTP is "\" %d32-126.
+    body = local[1:-1]
+    pos = 0
+    while pos < len(body):
+        code = ord(body[pos])
+        if code == 92:
+            pos += 1
+            if pos >= len(body) or not 32 <= ord(body[pos]) <= 126:
+                raise PathSyntaxError("bad quoted pair")
+        elif code < 32 or code in (34, 127) or (code > 127 and not (utf8 and _is_utf8(body[pos]))):
+            raise PathSyntaxError("bad character in quoted local part")
+        pos += 1
+
+
+def parse_mailbox(path: str, *, utf8: bool) -> Mailbox | None:
+    """Parse the inside of ``<...>``; ``None`` is the null path ``<>``.
+
+    Raises ``PathSyntaxError``, or ``NeedsSMTPUTF8`` for non-ASCII without it.
+    """
+    if path == "":
+        return None
+    if len(path) > MAX_ADDRESS_LENGTH:
+        raise PathSyntaxError("address too long")
+    if not utf8 and not path.isascii():
+        raise NeedsSMTPUTF8()
+    route: list[str] = []
+    if path.startswith("@"):
+        adl, colon, path = path.partition(":")
+        if not colon:
+            raise PathSyntaxError("source route without ':'")
+        for hop in adl.split(","):
+            if not hop.startswith("@"):
+                raise PathSyntaxError("bad source route")
+            route.append(_parse_domain(hop[1:]))
+    # Quoted local parts may hold spaces; check raw characters outside them only.
+    local, rest = _parse_local(path, utf8)
+    if local.startswith('"'):
+        _check_quoted(local, utf8)
+        if len(local) < 3:
+            raise PathSyntaxError("empty quoted local part")
+    if not rest:
+        return Mailbox(local, "", tuple(route))
+    if not rest.startswith("@"):
+        raise PathSyntaxError("text after the local part")
+    domain = rest[1:]
+    _check_chars(domain, utf8)
+    return Mailbox(local, _parse_domain(domain), tuple(route))
+
+
+# ----------------------------------------------------------------- ESMTP parameters
+
+
+def _parameters(text: str) -> list[tuple[str, str | None]]:
+    """``KEY=value KEY2`` → [("KEY", "value"), ("KEY2", None)]; keywords upper-cased."""
+    seen: set[str] = set()
+    result: list[tuple[str, str | None]] = []
+    for token in text.split(" "):
+        if not token:
+            continue
+        key, eq, value = token.partition("=")
+        if not _ESMTP_KEYWORD.match(key) or (eq and not _ESMTP_VALUE.match(value)):
+            raise Refused(replies.PARAMETER_SYNTAX)
+        key = key.upper()
+        if key in seen:
+            raise Refused(replies.DUPLICATE_PARAMETER.format(name=key))
+        seen.add(key)
+        result.append((key, value if eq else None))
+    return result
+
+
+def parse_mail_params(text: str, *, max_size: int) -> MailParams:
+    """MAIL FROM parameters: SIZE (RFC 1870), BODY (6152), SMTPUTF8 (6531), RET, ENVID (3461)."""
+    size: int | None = None
+    body = ret = envid = ""
+    smtputf8 = False
+    for key, value in _parameters(text):
+        if key == "SIZE":
+            if value is None or not value.isdigit() or not value.isascii() or len(value) > 20:
+                raise Refused(replies.BAD_PARAMETER.format(name=key))
+            size = int(value)
+            if max_size and size > max_size:
+                raise Refused(replies.MESSAGE_TOO_BIG)
+        elif key == "BODY":
+            body = (value or "").upper()
+            if body not in ("7BIT", "8BITMIME"):
+                raise Refused(replies.BAD_PARAMETER.format(name=key))
+        elif key == "SMTPUTF8":
+            if value is not None:
+                raise Refused(replies.BAD_PARAMETER.format(name=key))
+            smtputf8 = True
+        elif key == "RET":
+            ret = (value or "").upper()
+            if ret not in ("FULL", "HDRS"):
+                raise Refused(replies.BAD_PARAMETER.format(name=key))
+        elif key == "ENVID":
+            if not value or len(value) > MAX_ENVID_LENGTH or not _XTEXT.match(value):
+                raise Refused(replies.BAD_PARAMETER.format(name=key))
+            envid = value
+        else:
+            raise Refused(replies.UNKNOWN_PARAMETER.format(name=key))
+    return MailParams(size=size, body=body, smtputf8=smtputf8, ret=ret, envid=envid)
+
+
+def _valid_orcpt(value: str, utf8: bool) -> bool:
+    if len(value) > MAX_ORCPT_LENGTH:
+        return False
+    addr_type, semi, addr = value.partition(";")
+    if not semi or not addr or not _ADDR_TYPE.match(addr_type):
+        return False
+    if addr_type.lower() == "utf-8":
+        return bool((_UTF8_ADDR_UNICODE if utf8 else _UTF8_ADDR_ASCII).match(addr))
+    return bool(_XTEXT.match(addr))
+
+
+def parse_rcpt_params(text: str, *, utf8: bool) -> RcptParams:
+    """RCPT TO parameters: NOTIFY and ORCPT (RFC 3461 4.1, 4.2; RFC 6533 for utf-8)."""
+    notify = orcpt = ""
+    for key, value in _parameters(text):
+        if key == "NOTIFY":
+            items: list[str] = []
+            for item in (value or "").upper().split(","):
+                if item not in items:
+                    items.append(item)
+            if items != ["NEVER"] and not all(item in _NOTIFY_VALUES for item in items):
+                raise Refused(replies.BAD_PARAMETER.format(name=key))
+            notify = ",".join(items)
+        elif key == "ORCPT":
+            if value is None or not _valid_orcpt(value, utf8):
+                raise Refused(replies.BAD_PARAMETER.format(name=key))
+            orcpt = value
+        else:
+            raise Refused(replies.UNKNOWN_PARAMETER.format(name=key))
+    return RcptParams(notify=notify, orcpt=orcpt)
+
+
+# ------------------------------------------------------------------ the commands
+
+
+def parse_mail(arg: str, *, extended: bool, max_size: int) -> tuple[Mailbox | None, MailParams]:
+    """The argument of MAIL after ``FROM:``. ``None`` is the null sender."""
+    try:
+        path, param_text, bracketed = split_path(arg)
+    except PathSyntaxError:
+        raise Refused(replies.BAD_SENDER_SYNTAX) from None
+    if not path and not bracketed:
+        raise Refused(replies.MAIL_SYNTAX)
+    if param_text.strip() and not extended:
+        raise Refused(replies.NO_PARAMETERS_WITH_HELO)
+    params = parse_mail_params(param_text, max_size=max_size)
+    try:
+        sender = parse_mailbox(path, utf8=params.smtputf8)
+    except NeedsSMTPUTF8:
+        raise Refused(replies.SENDER_NEEDS_SMTPUTF8) from None
+    except PathSyntaxError:
+        raise Refused(replies.BAD_SENDER_SYNTAX) from None
+    if sender is not None:
+        if not sender.domain:
+            raise Refused(replies.SENDER_NOT_FQDN)
+        # RFC 5321 C: accept a source route in MAIL and ignore it.
+        sender = Mailbox(sender.local, sender.domain)
+    return sender, params
+
+
+def parse_rcpt(arg: str, *, extended: bool, utf8: bool) -> tuple[Mailbox, RcptParams]:
+    """The argument of RCPT after ``TO:``. Syntax only; see ``recipient_refusal``."""
+    try:
+        path, param_text, bracketed = split_path(arg)
+        if not path and not bracketed:
+            raise Refused(replies.RCPT_SYNTAX)
+        recipient = parse_mailbox(path, utf8=utf8)
+    except NeedsSMTPUTF8:
+        raise Refused(replies.RECIPIENT_NEEDS_SMTPUTF8) from None
+    except PathSyntaxError:
+        raise Refused(replies.BAD_RECIPIENT_SYNTAX) from None
+    if recipient is None:
+        raise Refused(replies.BAD_RECIPIENT_SYNTAX)
+    if param_text.strip() and not extended:
+        raise Refused(replies.NO_PARAMETERS_WITH_HELO)
+    return recipient, parse_rcpt_params(param_text, utf8=utf8)
+
+
+# ------------------------------------------------------------------ relay control
+
+
+def client_ip(host: str | None) -> IPAddress | None:
+    """The client's address from a peername host, IPv4-mapped IPv6 unwrapped."""
+    if not host:
+        return None
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_trusted(ip: IPAddress | None, networks: Iterable[IPNetwork]) -> bool:
+    """May this client relay to any domain (MAILRELAY_RELAY_NETWORKS)?"""
+    if ip is None:
+        return False
+    return any(ip.version == net.version and ip in net for net in networks)
+
+
+def recipient_refusal(
+    recipient: Mailbox, *, trusted: bool, accepted_domains: frozenset[str]
+) -> str | None:
+    """The reply refusing this recipient, or None when it is accepted.
+
+    Sender-specified routing is refused before anything else, for every
+    client: the relay only ever routes on the domain part.
+    """
+    if recipient.routes_by_sender:
+        return replies.ROUTING_DENIED
+    if not recipient.domain:
+        return replies.RECIPIENT_NOT_FQDN
+    if trusted or recipient.domain_key in accepted_domains:
+        return None
+    return replies.RELAY_DENIED

@@ -1,0 +1,65 @@
+"""`python manage.py runsmtp`: the inbound SMTP server, in the foreground."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from delivery.inbound.server import (
+    DEFAULT_DB_THREADS,
+    InboundConfig,
+    InboundServer,
+    format_address,
+    parse_listen,
+)
+
+
+class Command(BaseCommand):
+    help = "Accept mail over SMTP on MAILRELAY_SMTP_LISTEN until SIGINT or SIGTERM."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument(
+            "--listen",
+            help="comma list of host:port to listen on instead of MAILRELAY_SMTP_LISTEN",
+        )
+        parser.add_argument(
+            "--db-threads",
+            type=int,
+            default=DEFAULT_DB_THREADS,
+            help=f"database threads committing messages (default {DEFAULT_DB_THREADS})",
+        )
+
+    def handle(self, *args, listen: str | None = None, db_threads: int, **options) -> None:
+        items = listen.split(",") if listen else settings.MAILRELAY_SMTP_LISTEN
+        try:
+            addresses = [parse_listen(item) for item in items if item.strip()]
+        except ValueError as exc:
+            raise CommandError(f"MAILRELAY_SMTP_LISTEN: {exc}") from None
+        if not addresses:
+            raise CommandError("MAILRELAY_SMTP_LISTEN names no address")
+        if db_threads < 1:
+            raise CommandError("--db-threads must be at least 1")
+        asyncio.run(self._serve(addresses, db_threads))
+
+    async def _serve(self, addresses: list[tuple[str, int]], db_threads: int) -> None:
+        server = InboundServer(InboundConfig.from_settings(), db_threads=db_threads)
+        try:
+            bound = await server.start(addresses)
+        except OSError as exc:
+            raise CommandError(f"cannot listen: {exc}") from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        for host, port in bound:
+            self.stdout.write(f"smtp: listening on {format_address(host, port)}")
+        self.stdout.flush()
+        await stop.wait()
+        self.stdout.write("smtp: stopping")
+        self.stdout.flush()
+        await server.stop()
+        self.stdout.write("smtp: stopped")
+        self.stdout.flush()

@@ -1,0 +1,677 @@
+"""The read side of the operator surface: one message filter, one queue filter,
+statuses, sorting and keyset (cursor) pagination, shared by the Queue Viewer,
+the REST API and the management commands.
+
+Every list is one indexed query (see migration 0003 for the index each filter
+uses) and pages by keyset, never by OFFSET, so page 10,000 of a million
+queued messages costs what page 1 costs.
+
+Filters are parsed from plain string parameters (a query string, CLI options,
+the ``filter`` object of a bulk action) by ``MessageFilter.from_params``;
+``MessageFilter.as_params`` gives them back for links and the audit log.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from email.parser import BytesHeaderParser
+from email.policy import compat32
+from typing import Any, Generic, TypeVar
+
+from django.db.models import CharField, Exists, Model, OuterRef, Q, QuerySet, TextField
+from django.db.models.lookups import IContains, Lookup
+from django.utils.dateparse import parse_datetime
+
+from mailrelay.env import parse_duration, parse_size
+from queues import clock
+from queues.headers import header_block
+from queues.models import (
+    AuditEntry,
+    DeliveryType,
+    Link,
+    LinkState,
+    Message,
+    MessageSource,
+    MessageState,
+    Queue,
+    Recipient,
+    RecipientState,
+)
+from django.db import models
+
+T = TypeVar("T", bound=Model)
+
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 500
+
+
+class FilterError(ValueError):
+    """A filter, sort or cursor parameter that cannot be understood (HTTP 400)."""
+
+
+# --- a substring lookup the pg_trgm indexes can serve --------------------------
+
+
+@CharField.register_lookup
+@TextField.register_lookup
+class TrigramIContains(IContains):
+    """``field__ticontains``: case-insensitive substring match.
+
+    Django's ``icontains`` compiles to ``UPPER(col) LIKE UPPER(%s)`` on
+    PostgreSQL, which a GIN index on ``col gin_trgm_ops`` cannot serve;
+    ``col ILIKE %s`` can. Other databases get the plain ``icontains``.
+    """
+
+    lookup_name = "ticontains"
+
+    def as_postgresql(self, compiler, connection):
+        # Lookup.process_lhs: the bare column, without BuiltinLookup's UPPER() cast.
+        lhs, lhs_params = Lookup.process_lhs(self, compiler, connection)
+        rhs, rhs_params = self.process_rhs(compiler, connection)
+        return f"{lhs} ILIKE {rhs}", [*lhs_params, *rhs_params]
+
+
+# --- statuses -----------------------------------------------------------------
+
+
+class MessageStatus(models.TextChoices):
+    """What the Queue Viewer shows for a message, first match wins (in this order)."""
+
+    SUSPENDED = "suspended", "Suspended"  # an operator (or the poison guard) holds it
+    SUBMISSION = "submission", "Submission"  # waits for (or is in) the categorizer
+    ACTIVE = "active", "Active"  # a recipient is being delivered right now
+    RETRY = "retry", "Retry"  # a recipient was tried and waits to be tried again
+    READY = "ready", "Ready"  # recipients wait in their queues, not yet tried
+    DELIVERED = "delivered", "Delivered"  # done, every recipient delivered
+    FAILED = "failed", "Failed"  # done, some recipient failed or expired
+
+
+class QueueStatus(models.TextChoices):
+    READY = "ready", "Ready"
+    ACTIVE = "active", "Active"
+    RETRY = "retry", "Retry"
+    SUSPENDED = "suspended", "Suspended"
+
+
+def _has_recipient(*states: str) -> Exists:
+    return Exists(Recipient.objects.filter(message=OuterRef("pk"), state__in=states))
+
+
+def message_status_q(status: str) -> Q:
+    """The condition for one MessageStatus, exactly as message_status decides it."""
+    live = Q(state=MessageState.QUEUED, suspended=False)
+    if status == MessageStatus.SUSPENDED:
+        return Q(suspended=True) & ~Q(state=MessageState.DONE)
+    if status == MessageStatus.SUBMISSION:
+        return Q(state__in=[MessageState.SUBMISSION, MessageState.CATEGORIZING], suspended=False)
+    active = _has_recipient(RecipientState.ACTIVE)
+    deferred = _has_recipient(RecipientState.DEFERRED)
+    if status == MessageStatus.ACTIVE:
+        return live & Q(active)
+    if status == MessageStatus.RETRY:
+        return live & ~Q(active) & Q(deferred)
+    if status == MessageStatus.READY:
+        return live & ~Q(active) & ~Q(deferred)
+    failed = _has_recipient(RecipientState.FAILED, RecipientState.EXPIRED)
+    if status == MessageStatus.DELIVERED:
+        return Q(state=MessageState.DONE) & ~Q(failed)
+    if status == MessageStatus.FAILED:
+        return Q(state=MessageState.DONE) & Q(failed)
+    raise FilterError(f"unknown status {status!r}")
+
+
+def message_status(message: Message, recipient_states: Iterable[str]) -> str:
+    """The MessageStatus of ``message`` given its recipients' states."""
+    states = set(recipient_states)
+    if message.state == MessageState.DONE:
+        if states & {RecipientState.FAILED, RecipientState.EXPIRED}:
+            return MessageStatus.FAILED
+        return MessageStatus.DELIVERED
+    if message.suspended:
+        return MessageStatus.SUSPENDED
+    if message.state in (MessageState.SUBMISSION, MessageState.CATEGORIZING):
+        return MessageStatus.SUBMISSION
+    if RecipientState.ACTIVE in states:
+        return MessageStatus.ACTIVE
+    if RecipientState.DEFERRED in states:
+        return MessageStatus.RETRY
+    return MessageStatus.READY
+
+
+def queue_status(queue: Queue) -> str:
+    """Suspended when an operator suspended the queue, else its link's state."""
+    if queue.suspended:
+        return QueueStatus.SUSPENDED
+    link = queue.link if queue.link_id else None
+    return link.state if link is not None else QueueStatus.READY
+
+
+# --- the normalised error of "deferrals grouped by error" ---------------------
+
+_REPLY_PREFIX = re.compile(r"^\s*(\d{3}(?:[ -]+[245]\.\d{1,3}\.\d{1,3})?)")
+_TOKEN_WITH_DIGIT = re.compile(r"[\w.+=/-]*\d[\w.+=/-]*")
+_SPACES = re.compile(r"\s+")
+
+
+def error_normalize(text: str) -> str:
+    """``451 4.7.1 greylisted for 300s (id 4F2A)`` → ``451 4.7.1 greylisted for # (id #)``.
+
+    The reply code and enhanced code stay; every other token that holds a
+    digit (counts, ids, addresses of hosts, queue ids) becomes ``#``.
+    """
+    text = _SPACES.sub(" ", text.strip())
+    match = _REPLY_PREFIX.match(text)
+    head, rest = (match.group(1), text[match.end() :]) if match else ("", text)
+    rest = _TOKEN_WITH_DIGIT.sub("#", rest)
+    return (head + rest).strip()
+
+
+def error_pattern(normalized: str) -> str:
+    """A regular expression that matches every text normalising to ``normalized``."""
+    normalized = _SPACES.sub(" ", normalized.strip())
+    match = _REPLY_PREFIX.match(normalized)
+    head, rest = (match.group(1), normalized[match.end() :]) if match else ("", normalized)
+    parts = [re.escape(p) for p in rest.split("#")]
+    body = r"[\w.+=/-]*\d[\w.+=/-]*".join(parts)
+    body = body.replace(r"\ ", r"\s+")
+    return "^\\s*" + re.escape(head).replace(r"\ ", r"[ -]+") + body + "\\s*$"
+
+
+# --- the message filter -------------------------------------------------------
+
+
+def _text(value: str, name: str) -> str:
+    value = value.strip()
+    if len(value) > 998:
+        raise FilterError(f"{name}: at most 998 characters")
+    return value
+
+
+def _when(value: str, name: str) -> datetime:
+    """A duration back from now (``2h``) or an ISO 8601 time."""
+    value = value.strip()
+    try:
+        return clock.now() - parse_duration(value)
+    except ValueError:
+        pass
+    parsed = parse_datetime(value)
+    if parsed is None:
+        raise FilterError(f"{name}: {value!r} is neither a duration (2h, 30m) nor an ISO time")
+    if parsed.tzinfo is None:
+        raise FilterError(f"{name}: {value!r} has no time zone (add Z or +00:00)")
+    return parsed
+
+
+def _size(value: str, name: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise FilterError(f"{name}: {value!r} is not a size (e.g. 10K, 2MB, 1048576)") from None
+
+
+def _int(value: str, name: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise FilterError(f"{name}: {value!r} is not a number") from None
+    if number < 0:
+        raise FilterError(f"{name}: must not be negative")
+    return number
+
+
+def _choices(value: str, name: str, choices: Iterable[str]) -> list[str]:
+    allowed = list(choices)
+    out = [v.strip().lower() for v in value.split(",") if v.strip()]
+    for v in out:
+        if v not in allowed:
+            raise FilterError(f"{name}: {v!r} is not one of {', '.join(allowed)}")
+    return out
+
+
+@dataclass
+class MessageFilter:
+    """What the operator asked to see. Empty fields do not filter."""
+
+    qid: str = ""  # exact queue id
+    sender: str = ""  # substring of MAIL FROM; "<>" is the null sender
+    recipient: str = ""  # substring of any recipient address
+    domain: str = ""  # any recipient's domain, exactly
+    message_id: str = ""  # substring of the Message-ID header
+    subject: str = ""  # substring of the Subject
+    status: list[str] = field(default_factory=list)  # MessageStatus values (any of)
+    queue: int | None = None  # a recipient waits (or waited) in this queue
+    older_than: datetime | None = None  # received before
+    newer_than: datetime | None = None  # received at or after
+    min_size: int | None = None
+    max_size: int | None = None
+    error: str = ""  # substring of a deferred/failed recipient's last reply
+    error_group: str = ""  # a normalised error (error_normalize), per "deferrals by error"
+    source: list[str] = field(default_factory=list)  # MessageSource values (any of)
+    # The raw parameters, as given (kept for the audit log and for links).
+    params: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    PARAMS = (
+        "qid",
+        "sender",
+        "recipient",
+        "domain",
+        "message_id",
+        "subject",
+        "status",
+        "queue",
+        "older_than",
+        "newer_than",
+        "min_size",
+        "max_size",
+        "error",
+        "error_group",
+        "source",
+    )
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> MessageFilter:
+        """Parse the filter parameters of ``params``; other keys are ignored."""
+        f = cls()
+        for name in cls.PARAMS:
+            raw = params.get(name)
+            if raw is None:
+                continue
+            value = str(raw)
+            if not value.strip():
+                continue
+            f.params[name] = value
+            if name in ("qid", "sender", "recipient", "message_id", "subject", "error"):
+                setattr(f, name, _text(value, name))
+            elif name == "error_group":
+                f.error_group = _text(value, name)
+            elif name == "domain":
+                f.domain = _text(value, name).lower().rstrip(".").lstrip("@")
+            elif name == "status":
+                f.status = _choices(value, name, MessageStatus.values)
+            elif name == "source":
+                f.source = _choices(value, name, MessageSource.values)
+            elif name == "queue":
+                f.queue = _int(value, name)
+            elif name in ("older_than", "newer_than"):
+                setattr(f, name, _when(value, name))
+            elif name in ("min_size", "max_size"):
+                setattr(f, name, _size(value, name))
+        return f
+
+    def as_params(self) -> dict[str, str]:
+        return dict(self.params)
+
+    def is_empty(self) -> bool:
+        return not self.params
+
+    def queryset(self, base: QuerySet[Message] | None = None) -> QuerySet[Message]:
+        """The messages that match (unordered; page them with ``messages_page``)."""
+        qs = base if base is not None else Message.objects.all()
+        if self.qid:
+            qs = qs.filter(qid=self.qid.upper())
+        if self.sender:
+            if self.sender == "<>":
+                qs = qs.filter(mail_from="")
+            else:
+                qs = qs.filter(mail_from__ticontains=self.sender.strip("<>"))
+        if self.recipient:
+            address = self.recipient.strip("<>")
+            qs = qs.filter(
+                Exists(
+                    Recipient.objects.filter(message=OuterRef("pk"), address__ticontains=address)
+                )
+            )
+        if self.domain:
+            qs = qs.filter(
+                Exists(Recipient.objects.filter(message=OuterRef("pk"), domain=self.domain))
+            )
+        if self.message_id:
+            qs = qs.filter(message_id__ticontains=self.message_id)
+        if self.subject:
+            qs = qs.filter(subject__ticontains=self.subject)
+        if self.status:
+            cond = Q()
+            for status in self.status:
+                cond |= message_status_q(status)
+            qs = qs.filter(cond)
+        if self.queue is not None:
+            qs = qs.filter(
+                Exists(Recipient.objects.filter(message=OuterRef("pk"), queue_id=self.queue))
+            )
+        if self.older_than is not None:
+            qs = qs.filter(received_at__lt=self.older_than)
+        if self.newer_than is not None:
+            qs = qs.filter(received_at__gte=self.newer_than)
+        if self.min_size is not None:
+            qs = qs.filter(size__gte=self.min_size)
+        if self.max_size is not None:
+            qs = qs.filter(size__lte=self.max_size)
+        if self.error or self.error_group:
+            # state IN (...) exactly as the partial index recipient_error_trgm says
+            errors = Recipient.objects.filter(
+                message=OuterRef("pk"),
+                state__in=[RecipientState.DEFERRED, RecipientState.FAILED, RecipientState.EXPIRED],
+            )
+            if self.error:
+                errors = errors.filter(last_text__ticontains=self.error)
+            if self.error_group:
+                errors = errors.filter(last_text__regex=error_pattern(self.error_group))
+            qs = qs.filter(Exists(errors))
+        if self.source:
+            qs = qs.filter(source__in=self.source)
+        return qs
+
+
+# --- sorting and keyset pagination -------------------------------------------
+
+MESSAGE_SORTS = {"received": "received_at", "size": "size", "id": "id"}
+MESSAGE_DEFAULT_SORT = "-received"
+QUEUE_SORTS = {
+    "name": "name",
+    "count": "message_count",
+    "type": "delivery_type",
+    "id": "id",
+    "incoming": "incoming_rate",
+    "outgoing": "outgoing_rate",
+}
+QUEUE_DEFAULT_SORT = "-count"
+
+
+@dataclass
+class Sort:
+    field: str  # model field of the key; the id breaks ties
+    descending: bool
+
+    @classmethod
+    def parse(cls, value: str | None, sorts: Mapping[str, str], default: str) -> Sort:
+        value = (value or default).strip()
+        descending = value.startswith("-")
+        name = value.lstrip("-")
+        if name not in sorts:
+            raise FilterError(f"sort: {value!r} is not one of {', '.join(sorts)} (- for descending)")
+        return cls(sorts[name], descending)
+
+
+@dataclass
+class Page(Generic[T]):
+    items: list[T]
+    next_cursor: str | None
+    previous_cursor: str | None
+
+
+def _encode_cursor(value: Any, pk: int, forward: bool) -> str:
+    if isinstance(value, datetime):
+        value = value.isoformat()
+    raw = json.dumps([value, pk, "n" if forward else "p"], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str, model_field: models.Field) -> tuple[Any, int, bool]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        value, pk, direction = json.loads(raw)
+        if not isinstance(pk, int) or direction not in ("n", "p"):
+            raise ValueError
+        value = model_field.to_python(value)
+    except Exception:  # noqa: BLE001 - whatever is wrong with it, it is not ours
+        raise FilterError("cursor: not a cursor this list handed out") from None
+    return value, pk, direction == "n"
+
+
+def parse_limit(value: Any, default: int = DEFAULT_LIMIT, maximum: int = MAX_LIMIT) -> int:
+    if value in (None, ""):
+        return default
+    try:
+        limit = int(value)
+    except (TypeError, ValueError):
+        raise FilterError(f"limit: {value!r} is not a number") from None
+    if not 1 <= limit <= maximum:
+        raise FilterError(f"limit: must be between 1 and {maximum}")
+    return limit
+
+
+def keyset_page(
+    qs: QuerySet[T], sort: Sort, cursor: str | None = None, limit: int = DEFAULT_LIMIT
+) -> Page[T]:
+    """One page of ``qs`` ordered by (sort key, id), after or before a cursor.
+
+    Steps:
+    1. decode the cursor: the (key, id) of the row it points at and the way to go;
+    2. keep the rows strictly past it: ``key < v OR (key = v AND id < i)`` (for a
+       descending sort), with ``key <= v`` added so the index scan starts at v;
+    3. order by (key, id) that way, read one row more than ``limit`` to know
+       whether there is a further page;
+    4. going backwards the rows come reversed: put them back in display order.
+    """
+    model_field = qs.model._meta.get_field(sort.field)
+    key = sort.field
+    forward = True
+    if cursor:
+        value, pk, forward = _decode_cursor(cursor, model_field)
+        # Going backwards is going forwards in the opposite order.
+        down = sort.descending == forward
+        if down:
+            qs = qs.filter(**{f"{key}__lte": value}).filter(
+                Q(**{f"{key}__lt": value}) | Q(**{key: value, "id__lt": pk})
+            )
+        else:
+            qs = qs.filter(**{f"{key}__gte": value}).filter(
+                Q(**{f"{key}__gt": value}) | Q(**{key: value, "id__gt": pk})
+            )
+    else:
+        down = sort.descending
+    if key == "id":
+        order = ["-id"] if down else ["id"]
+    else:
+        order = [f"-{key}", "-id"] if down else [key, "id"]
+    rows = list(qs.order_by(*order)[: limit + 1])
+    more = len(rows) > limit
+    rows = rows[:limit]
+    if not forward:
+        rows.reverse()
+    if not rows:
+        return Page([], None, None)
+    first, last = rows[0], rows[-1]
+    has_next = more if forward else bool(cursor)
+    has_previous = bool(cursor) if forward else more
+    return Page(
+        rows,
+        _encode_cursor(getattr(last, key), last.pk, True) if has_next else None,
+        _encode_cursor(getattr(first, key), first.pk, False) if has_previous else None,
+    )
+
+
+def messages_page(
+    f: MessageFilter,
+    sort: str | None = None,
+    cursor: str | None = None,
+    limit: int = DEFAULT_LIMIT,
+    base: QuerySet[Message] | None = None,
+) -> Page[Message]:
+    """One page of the messages matching ``f``; the heavy ``data`` column stays unread."""
+    qs = f.queryset(base).defer("data")
+    return keyset_page(qs, Sort.parse(sort, MESSAGE_SORTS, MESSAGE_DEFAULT_SORT), cursor, limit)
+
+
+def messages_prefetch(messages: Sequence[Message]) -> dict[int, list[Recipient]]:
+    """The recipients (with their queues) of one page of messages, in one query."""
+    by_message: dict[int, list[Recipient]] = {m.pk: [] for m in messages}
+    rows = (
+        Recipient.objects.filter(message_id__in=list(by_message))
+        .select_related("queue")
+        .order_by("message_id", "id")
+    )
+    for r in rows:
+        by_message[r.message_id].append(r)
+    return by_message
+
+
+# --- queues -----------------------------------------------------------------
+
+
+@dataclass
+class QueueFilter:
+    name: str = ""  # substring of the queue name (the next-hop domain)
+    delivery_type: list[str] = field(default_factory=list)
+    status: list[str] = field(default_factory=list)
+    link: int | None = None
+    nonempty: bool = False
+    params: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> QueueFilter:
+        f = cls()
+        for name in ("name", "type", "status", "link", "nonempty"):
+            raw = params.get(name)
+            if raw is None or not str(raw).strip():
+                continue
+            value = str(raw)
+            f.params[name] = value
+            if name == "name":
+                f.name = _text(value, name)
+            elif name == "type":
+                f.delivery_type = _choices(value, name, DeliveryType.values)
+            elif name == "status":
+                f.status = _choices(value, name, QueueStatus.values)
+            elif name == "link":
+                f.link = _int(value, name)
+            elif name == "nonempty":
+                f.nonempty = value.strip().lower() in ("1", "true", "yes", "on")
+        return f
+
+    def as_params(self) -> dict[str, str]:
+        return dict(self.params)
+
+    def queryset(self) -> QuerySet[Queue]:
+        qs = Queue.objects.select_related("link")
+        if self.name:
+            qs = qs.filter(name__icontains=self.name)
+        if self.delivery_type:
+            qs = qs.filter(delivery_type__in=self.delivery_type)
+        if self.link is not None:
+            qs = qs.filter(link_id=self.link)
+        if self.nonempty:
+            qs = qs.filter(message_count__gt=0)
+        if self.status:
+            cond = Q()
+            for status in self.status:
+                if status == QueueStatus.SUSPENDED:
+                    cond |= Q(suspended=True)
+                elif status == QueueStatus.READY:
+                    cond |= Q(suspended=False) & (
+                        Q(link__isnull=True) | Q(link__state=LinkState.READY)
+                    )
+                else:
+                    cond |= Q(suspended=False, link__state=status)
+            qs = qs.filter(cond)
+        return qs
+
+
+def queues_page(
+    f: QueueFilter, sort: str | None = None, cursor: str | None = None, limit: int = 100
+) -> Page[Queue]:
+    return keyset_page(
+        f.queryset(), Sort.parse(sort, QUEUE_SORTS, QUEUE_DEFAULT_SORT), cursor, limit
+    )
+
+
+def links_page(cursor: str | None = None, limit: int = 100) -> Page[Link]:
+    return keyset_page(Link.objects.all(), Sort("name", False), cursor, limit)
+
+
+# --- the audit log ------------------------------------------------------------
+
+
+@dataclass
+class AuditFilter:
+    action: str = ""
+    actor: str = ""
+    target_type: str = ""
+    via: str = ""
+    since: datetime | None = None
+    params: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> AuditFilter:
+        f = cls()
+        for spec in fields(cls):
+            if spec.name == "params":
+                continue
+            raw = params.get(spec.name)
+            if raw is None or not str(raw).strip():
+                continue
+            f.params[spec.name] = str(raw)
+            if spec.name == "since":
+                f.since = _when(str(raw), "since")
+            else:
+                setattr(f, spec.name, _text(str(raw), spec.name))
+        return f
+
+    def queryset(self) -> QuerySet[AuditEntry]:
+        qs = AuditEntry.objects.all()
+        if self.action:
+            qs = qs.filter(action=self.action)
+        if self.actor:
+            qs = qs.filter(actor_name=self.actor)
+        if self.target_type:
+            qs = qs.filter(target_type=self.target_type)
+        if self.via:
+            qs = qs.filter(via=self.via)
+        if self.since is not None:
+            qs = qs.filter(created_at__gte=self.since)
+        return qs
+
+
+def audit_page(f: AuditFilter, cursor: str | None = None, limit: int = DEFAULT_LIMIT):
+    return keyset_page(f.queryset(), Sort("id", True), cursor, limit)
+
+
+# --- message content, for the detail views -------------------------------------
+
+
+def message_headers(message: Message) -> list[tuple[str, str]]:
+    """The header fields of the stored message, unfolded, in order (values as text)."""
+    block = header_block(bytes(message.data))
+    parsed = BytesHeaderParser(policy=compat32).parsebytes(block + b"\r\n\r\n")
+    return [(name, _SPACES.sub(" ", str(value)).strip()) for name, value in parsed.items()]
+
+
+def message_body_preview(message: Message, limit: int = 64 * 1024) -> tuple[str, bool]:
+    """The first ``limit`` bytes of the body as text, and whether it was cut.
+
+    Text only: the caller shows it escaped (never as live HTML).
+    """
+    data = bytes(message.data)
+    match = re.search(rb"\r?\n\r?\n", data)
+    body = data[match.end() :] if match else b""
+    return body[:limit].decode("utf-8", "replace"), len(body) > limit
+
+
+__all__ = [
+    "AuditFilter",
+    "FilterError",
+    "MessageFilter",
+    "MessageStatus",
+    "Page",
+    "QueueFilter",
+    "QueueStatus",
+    "Sort",
+    "audit_page",
+    "error_normalize",
+    "error_pattern",
+    "keyset_page",
+    "links_page",
+    "message_body_preview",
+    "message_headers",
+    "message_status",
+    "message_status_q",
+    "messages_page",
+    "messages_prefetch",
+    "parse_limit",
+    "queue_status",
+]
