@@ -137,9 +137,10 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
             continue
         error = placement.error
         assert error is not None
+        pairs = list(rows.values_list("id", "message_id"))
         code = 550 if error.permanent else 451
         if error.permanent:
-            failed_ids.extend(placement.recipient_ids)
+            failed_ids.extend(rid for rid, _ in pairs)
             rows.update(
                 queue=special_queue(DeliveryType.DEAD_LETTER, now),
                 state=RecipientState.FAILED,
@@ -162,7 +163,7 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
                 last_text=error.text,
                 attempt_count=F("attempt_count") + 1,
             )
-        for rid, mid in rows.values_list("id", "message_id"):
+        for rid, mid in pairs:
             failed.append(
                 Attempt(
                     recipient_id=rid,
