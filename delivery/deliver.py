@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
@@ -46,8 +46,6 @@ from queues.services.routing import special_queue
 
 log = logging.getLogger(__name__)
 
-LINK_LEASE = timedelta(minutes=2)
-
 
 def link_acquire(link_id: int, owner: str) -> bool:
     """Become the one delivery task of this link (conditional update, one row or none)."""
@@ -55,7 +53,8 @@ def link_acquire(link_id: int, owner: str) -> bool:
     return (
         Link.objects.filter(pk=link_id)
         .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now) | Q(lease_owner=owner))
-        .update(lease_owner=owner, lease_until=now + LINK_LEASE)
+        # A round may last as long as a recipient claim; the lease is renewed per round.
+        .update(lease_owner=owner, lease_until=now + settings.MAILRELAY_DELIVERY_LEASE)
         == 1
     )
 

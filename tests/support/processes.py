@@ -154,7 +154,8 @@ def broker() -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def processes(broker: redis.Redis) -> Iterator[ProcessRunner]:
+def processes(transactional_db, broker: redis.Redis) -> Iterator[ProcessRunner]:
+    """Child processes, stopped before pytest-django flushes the database."""
     runner = ProcessRunner()
     yield runner
     runner.stop_all()
