@@ -744,9 +744,12 @@ def test_retrytest_uses_the_setting_then_the_default(seed_rules: Path):
         assert "line 6: * refused_A" in run_retrytest("u@x.example", "--error", "refused_A")
     with override_settings(MAILRELAY_RETRY_RULES=""):
         out = run_retrytest("u@x.example", "--error", "refused_A")
-    assert "Rules: built-in default rules" in out
-    assert "Retry rule: line 1: * * F,2d,15m" in out
-    assert "retries 1-193: every 15m, +15m to +2d15m (F,2d,15m)" in out
+    # Without a file, the rules compiled from Exchange's settings apply (delivery.retry).
+    assert "Rules: Exchange settings" in out
+    assert "Retry rule: line 5: *  *  F,3m30s,1m; F,31m30s,5m; F,36500d,10m" in out
+    assert "retries 1-4: every 1m, +1m to +4m (F,3m30s,1m)" in out
+    assert "retries 5-10: every 5m, +9m to +34m (F,31m30s,5m)" in out
+    assert "retries 11-294: every 10m, +44m to +1d23h54m (F,36500d,10m)" in out
 
 
 def test_retrytest_refuses_a_bad_rule_file_and_a_bad_error(tmp_path: Path):

@@ -3,9 +3,11 @@
     python manage.py retrytest user@example.com --error rcpt_452 --sender ''
     python manage.py retrytest example.com --host mx1.example.com --error timeout_connect_MX
 
-Rules come from ``--rules FILE``, else from the file named by the
-``MAILRELAY_RETRY_RULES`` setting, else the built-in default rule set.
-The schedule is shown relative to the first failure, so it needs no clock.
+Rules come from ``--rules FILE``; without it, the active rule list: the file
+named by ``MAILRELAY_RETRY_RULES`` followed by the rules compiled from the
+Exchange retry settings (delivery.retry). The schedule is shown relative to
+the first failure, so it needs no clock, up to ``--until`` (default: the
+message expiration timeout, when Exchange's expiry ends every schedule).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from itertools import groupby
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from delivery.retry import rules as active_rules
 from delivery.retryrules import (
     DEFAULT_OPTIONS,
     RetryOptions,
@@ -29,7 +32,10 @@ from delivery.retryrules import (
     parse_error_name,
     projected_schedule,
 )
+from mailrelay.env import parse_duration
 
+# A final cutoff this long is "never" (delivery.retry.FOREVER): project to expiry.
+NEVER_ENDS = timedelta(days=365)
 # Any fixed instant will do: only offsets from it are printed.
 _EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
@@ -78,18 +84,31 @@ class Command(BaseCommand):
         parser.add_argument(
             "--rules",
             default=None,
-            help="rule file (default: the MAILRELAY_RETRY_RULES setting, else built-in rules)",
+            help="rule file (default: MAILRELAY_RETRY_RULES + the Exchange settings' rules)",
+        )
+        parser.add_argument(
+            "--until",
+            default=None,
+            help="how far to project the schedule (default: MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT)",
         )
 
     def handle(self, *args, **options) -> None:
         path = options["rules"]
-        if path is None:
-            path = getattr(settings, "MAILRELAY_RETRY_RULES", "")
         try:
             # Options from settings are validated here too (retry_interval_max <= 24h).
-            rules = load_rules_or_default(path, options=_options())
+            if path is None:
+                rules = active_rules()
+            else:
+                rules = load_rules_or_default(path, options=_options())
         except RetryRuleError as exc:
             raise CommandError(f"bad retry rules: {exc}") from None
+        try:
+            self.until = parse_duration(
+                options["until"]
+                or str(settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT.total_seconds()) + "s"
+            )
+        except ValueError as exc:
+            raise CommandError(f"--until: {exc}") from None
 
         error = None
         if options["error"] is not None:
@@ -126,7 +145,19 @@ class Command(BaseCommand):
             self.stdout.write("No retries: a temporary error fails the address at once.")
             return
         limit = 10_000
-        tries = projected_schedule(rule, _EPOCH, options=rules.options, limit=limit)
+        until = self.until
+        expiration = settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT
+        if until is None and (rule.final_cutoff is None or rule.final_cutoff >= NEVER_ENDS):
+            # A rule that never ends (Exchange's compiled rules): expiry ends the tries.
+            until = expiration
+        tries = projected_schedule(
+            rule, _EPOCH, _EPOCH + until if until else None, options=rules.options, limit=limit
+        )
+        if until:
+            self.stdout.write(
+                f"(projected for {format_duration(until)} after the first failure; messages "
+                f"expire {format_duration(expiration)} after arrival)"
+            )
         cutoff = format_duration(rule.final_cutoff or timedelta(0))
         self.stdout.write(
             f"Schedule after a first failure at +0s (retry_interval_max "
