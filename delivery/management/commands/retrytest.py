@@ -103,10 +103,7 @@ class Command(BaseCommand):
         except RetryRuleError as exc:
             raise CommandError(f"bad retry rules: {exc}") from None
         try:
-            self.until = parse_duration(
-                options["until"]
-                or str(settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT.total_seconds()) + "s"
-            )
+            self.until = parse_duration(options["until"]) if options["until"] else None
         except ValueError as exc:
             raise CommandError(f"--until: {exc}") from None
 
