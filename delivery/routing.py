@@ -573,7 +573,9 @@ class Router:
                         permanent=True,
                         enhanced=BAD_DESTINATION,
                     )
-                hosts = [NextHop(domain, self.default_port, 0)]
+                # Found by its address record, not an MX: "literal" (no MX lookup),
+                # which also makes its errors Exim's *_A kind.
+                hosts = [NextHop(domain, self.default_port, 0, literal=True)]
         except dns.resolver.NXDOMAIN:
             raise RouteError(
                 f"domain {domain} does not exist (DNS answered NXDOMAIN)",

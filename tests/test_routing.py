@@ -302,15 +302,16 @@ def test_a_domain_without_mx_is_its_own_mail_host(router, dns_settings):
 
     route = router.route("example.com")
 
-    assert route.hosts == (NextHop("example.com", 25, 0),)
-    assert route.link_name == "example.com:25"
+    # reached by its address record, never looked up for MX again: a literal host
+    assert route.hosts == (NextHop("example.com", 25, 0, literal=True),)
+    assert route.link_name == "[example.com]:25"
     assert [q.qtype for q in dns_settings.queried("example.com")] == ["MX", "A"]
 
 
 def test_an_ipv6_only_domain_without_mx_is_its_own_mail_host(router, dns_settings):
     dns_settings.aaaa("example.com", "::1")
 
-    assert router.route("example.com").hosts == (NextHop("example.com", 25, 0),)
+    assert router.route("example.com").hosts == (NextHop("example.com", 25, 0, literal=True),)
 
 
 def test_a_domain_with_neither_mx_nor_address_fails_permanently(router, dns_settings):
