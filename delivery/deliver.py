@@ -448,17 +448,57 @@ def _notify_round(rnd: _Round) -> None:
             notify(dsn.SUCCESS, messages[mid], rows, now=rnd.now)
 
 
-def _usable_targets(targets: list, now: datetime) -> list:
-    """Skip hosts whose retry time has not come (Exim); all of them if none is left."""
+def _usable_targets(targets: list, domain: str, now: datetime) -> tuple[list, str]:
+    """Which hosts to try, from their retry data (Exim §10).
+
+    Returns the targets and a verdict: "try" (hosts whose retry time has come,
+    or that have no retry data), "bounce" (every host is past its rule's final
+    cutoff and not due: the recipients time out without an attempt), or
+    "defer" — which cannot stop a round here, because the link's own retry
+    time has just come: then every host is tried.
+    """
     hints = hints_load(rr.host_key(t.host, t.ip) for t in targets)
     if not hints:
-        return targets
-    ready = [
-        t
-        for t in targets
-        if (h := hints.get(rr.host_key(t.host, t.ip))) is None or h.next_try <= now
-    ]
-    return ready or targets
+        return targets, "try"
+    active = retry.rules()
+    decisions = []
+    for t in targets:
+        row = hints.get(rr.host_key(t.host, t.ip))
+        rule = (
+            active.find(f"postmaster@{domain}", host=t.host, error=row.error or None)
+            if row
+            else None
+        )
+        decisions.append(rr.may_try(_as_hint(row), now=now, rule=rule, options=active.options))
+    verdict = rr.combine_decisions(decisions)
+    if verdict == "bounce":
+        return [], verdict
+    ready = [t for t, d in zip(targets, decisions, strict=True) if d is rr.TryDecision.TRY]
+    return (ready or targets), "try"
+
+
+def _timed_out_results(messages: list[OutboundMessage]) -> BatchResult:
+    now = clock.now()
+    text = "retry time not reached for any host after a long failure period"
+    return BatchResult(
+        results=[
+            RecipientResult(
+                recipient_id=r.id,
+                message_id=m.id,
+                outcome=AttemptOutcome.FAILED,
+                phase=AttemptPhase.CONNECT,
+                code=None,
+                enhanced="4.4.7",
+                text=text,
+                started_at=now,
+                scope="connection",
+            )
+            for m in messages
+            for r in m.recipients
+        ],
+        connected=False,
+        connection_error=text,
+    )
 
 
 def deliver_round(link: Link, config: ClientConfig) -> int:
@@ -470,8 +510,11 @@ def deliver_round(link: Link, config: ClientConfig) -> int:
     messages = _load_batch(ids)
     hops = [NextHop.from_json(h) for h in link.hosts]
     targets, error = order_targets(hops)
-    targets = _usable_targets(targets, clock.now())
-    if not targets:
+    domain = messages[0].recipients[0].address.rpartition("@")[2] if messages else link.name
+    targets, verdict = _usable_targets(targets, domain, clock.now())
+    if verdict == "bounce":
+        batch = _timed_out_results(messages)
+    elif not targets:
         batch = _no_route_results(messages, error or "no address for the next hop")
     else:
         batch = asyncio.run(deliver(targets, messages, config))
