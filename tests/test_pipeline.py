@@ -269,3 +269,33 @@ def test_it_parks_a_message_that_keeps_crashing_the_categorizer(relay, settings)
     assert m.suspended
     assert rcpt("u@example.net").queue.delivery_type == DeliveryType.POISON
     assert m.events.filter(kind="poison").exists()
+
+
+def test_a_message_that_makes_the_categorizer_raise_ends_in_poison_alone(
+    relay, sink_factory, settings, monkeypatch
+):
+    """A crash is isolated to its message; the batch-mates are routed and delivered."""
+    from delivery.routing import Router
+
+    settings.MAILRELAY_POISON_THRESHOLD = 2
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    real_route = Router.route
+
+    def route(self, domain):
+        if domain == "crash.example":
+            raise RuntimeError("a bug meets a strange domain")
+        return real_route(self, domain)
+
+    monkeypatch.setattr(Router, "route", route)
+    bad = accept("u@crash.example")
+    good = accept("u@example.net")
+    for _ in range(3):
+        drain()
+        clock.advance(settings.MAILRELAY_CATEGORIZER_RETRY_INTERVAL + timedelta(seconds=1))
+    assert len(sink.messages) == 1
+    assert Message.objects.get(pk=good.pk).state == MessageState.DONE
+    bad = Message.objects.get(pk=bad.pk)
+    assert bad.suspended
+    assert rcpt("u@crash.example").queue.delivery_type == DeliveryType.POISON
+    assert bad.events.filter(kind="poison").count() == 1
