@@ -25,7 +25,8 @@ class Command(BaseCommand):
     def handle(self, *args, no_setup: bool = False, **options) -> None:
         Path(settings.DATA_DIR).mkdir(parents=True, exist_ok=True)
         if not settings.DATABASE_URL:
-            (Path(settings.DATA_DIR) / "broker" / "processed").mkdir(parents=True, exist_ok=True)
+            for folder in ("processed", "control"):
+                (Path(settings.DATA_DIR) / "broker" / folder).mkdir(parents=True, exist_ok=True)
         if not no_setup:
             call_command("migrate", interactive=False, verbosity=0)
             call_command("collectstatic", interactive=False, verbosity=0)
