@@ -12,7 +12,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import Exists, F, OuterRef
 
 from delivery import bell, retry
 from delivery.routing import Router
@@ -179,9 +179,14 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
             )
     Attempt.objects.bulk_create(failed)
     _notify_failures(failed_ids, now)
-    Message.objects.filter(id__in=message_ids).update(
+    Message.objects.filter(id__in=message_ids, state=MessageState.CATEGORIZING).update(
         state=MessageState.QUEUED, lease_owner="", lease_until=None, crash_count=0
     )
+    # A recipient sent back to Submission while we worked (sweep, operator)
+    # must not be stranded: its message goes back to Submission too.
+    Message.objects.filter(id__in=message_ids, state=MessageState.QUEUED).filter(
+        Exists(Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.SUBMITTED))
+    ).update(state=MessageState.SUBMISSION, next_attempt_at=now)
     messages_finish(message_ids, now)
     return links
 

@@ -28,6 +28,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
+from queues.services.counts import queues_recount
 from queues.services.messages import messages_finish
 from queues.services.notify import notify
 from queues.services.routing import special_queue
@@ -234,7 +235,8 @@ def sweep() -> SweepReport:
     3. send Unreachable recipients whose retry time came back to the categorizer;
     4. ring the categorizer when Submission holds due messages;
     5. ring every link with due recipients that no live task owns;
-    6. purge messages completed longer ago than MAILRELAY_COMPLETED_RETENTION.
+    6. purge finished messages past their retention (completed, dead-letter);
+    7. refresh the queues' counts and history for the Queue Viewer.
     """
     report = SweepReport()
     _reclaim_expired_claims(report)
@@ -251,4 +253,7 @@ def sweep() -> SweepReport:
     for link_id in report.links_rung:
         bell.ring_link(link_id)
     _purge_completed(report)
+    # The Queue Viewer's counts, rates and last-hour history come from here,
+    # never from counting messages on a page view.
+    queues_recount(clock.now())
     return report

@@ -35,6 +35,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "queues",
     "delivery",
 ]
@@ -122,6 +123,10 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "mailrelay API",
     "DESCRIPTION": "Queues, links, messages and operator actions of the mailrelay queue store.",
     "VERSION": "1",
+    # Swagger UI served from our own static files: no CDN (relays often run offline).
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"

@@ -23,6 +23,7 @@ from email.parser import BytesHeaderParser
 from email.policy import compat32
 from typing import Any, Generic, TypeVar
 
+from django.db import models
 from django.db.models import CharField, Exists, Model, OuterRef, Q, QuerySet, TextField
 from django.db.models.lookups import IContains, Lookup
 from django.utils.dateparse import parse_datetime
@@ -42,7 +43,6 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from django.db import models
 
 T = TypeVar("T", bound=Model)
 
@@ -68,6 +68,9 @@ class TrigramIContains(IContains):
     """
 
     lookup_name = "ticontains"
+
+    def as_sql(self, compiler, connection):
+        return IContains(self.lhs, self.rhs).as_sql(compiler, connection)
 
     def as_postgresql(self, compiler, connection):
         # Lookup.process_lhs: the bare column, without BuiltinLookup's UPPER() cast.
@@ -153,33 +156,29 @@ def queue_status(queue: Queue) -> str:
 
 # --- the normalised error of "deferrals grouped by error" ---------------------
 
-_REPLY_PREFIX = re.compile(r"^\s*(\d{3}(?:[ -]+[245]\.\d{1,3}\.\d{1,3})?)")
+# Any token holding a digit: counts, ids, IP addresses, host names with numbers.
+# The same class in Python and in PostgreSQL's regexp_replace (ERROR_TOKEN_SQL).
 _TOKEN_WITH_DIGIT = re.compile(r"[\w.+=/-]*\d[\w.+=/-]*")
+ERROR_TOKEN_SQL = "[[:alnum:]_.+=/-]*[0-9][[:alnum:]_.+=/-]*"
 _SPACES = re.compile(r"\s+")
 
 
 def error_normalize(text: str) -> str:
-    """``451 4.7.1 greylisted for 300s (id 4F2A)`` → ``451 4.7.1 greylisted for # (id #)``.
+    """``greylisted for 300s (id 4F2A)`` → ``greylisted for # (id #)``.
 
-    The reply code and enhanced code stay; every other token that holds a
-    digit (counts, ids, addresses of hosts, queue ids) becomes ``#``.
+    Every token that holds a digit (counts, ids, addresses, queue ids)
+    becomes ``#`` and runs of white space one space, so errors that differ
+    only in those fall into one group. (Reply and enhanced codes are
+    columns of their own and are grouped on separately.)
     """
-    text = _SPACES.sub(" ", text.strip())
-    match = _REPLY_PREFIX.match(text)
-    head, rest = (match.group(1), text[match.end() :]) if match else ("", text)
-    rest = _TOKEN_WITH_DIGIT.sub("#", rest)
-    return (head + rest).strip()
+    return _SPACES.sub(" ", _TOKEN_WITH_DIGIT.sub("#", text)).strip()
 
 
 def error_pattern(normalized: str) -> str:
     """A regular expression that matches every text normalising to ``normalized``."""
-    normalized = _SPACES.sub(" ", normalized.strip())
-    match = _REPLY_PREFIX.match(normalized)
-    head, rest = (match.group(1), normalized[match.end() :]) if match else ("", normalized)
-    parts = [re.escape(p) for p in rest.split("#")]
-    body = r"[\w.+=/-]*\d[\w.+=/-]*".join(parts)
-    body = body.replace(r"\ ", r"\s+")
-    return "^\\s*" + re.escape(head).replace(r"\ ", r"[ -]+") + body + "\\s*$"
+    parts = [re.escape(p) for p in _SPACES.sub(" ", normalized.strip()).split("#")]
+    body = r"[\w.+=/-]*\d[\w.+=/-]*".join(parts).replace(r"\ ", r"\s+")
+    return "^\\s*" + body + "\\s*$"
 
 
 # --- the message filter -------------------------------------------------------
@@ -393,7 +392,9 @@ class Sort:
         descending = value.startswith("-")
         name = value.lstrip("-")
         if name not in sorts:
-            raise FilterError(f"sort: {value!r} is not one of {', '.join(sorts)} (- for descending)")
+            raise FilterError(
+                f"sort: {value!r} is not one of {', '.join(sorts)} (- for descending)"
+            )
         return cls(sorts[name], descending)
 
 

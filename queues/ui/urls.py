@@ -1,3 +1,32 @@
-"""Queue Viewer pages (filled in by the Queue Viewer work)."""
+"""Queue Viewer pages, at the site root (mailrelay/urls.py includes them)."""
 
-urlpatterns: list = []
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from queues.ui import views
+
+app_name = "ui"
+
+urlpatterns = [
+    path(
+        "accounts/login/",
+        auth_views.LoginView.as_view(redirect_authenticated_user=True),
+        name="login",
+    ),
+    path("accounts/logout/", auth_views.LogoutView.as_view(next_page="ui:login"), name="logout"),
+    path("", views.home, name="home"),
+    path("queues/", views.queue_list, name="queues"),
+    path("queues/qshape/", views.qshape_view, name="qshape"),
+    path("queues/selected/", views.queues_bulk, name="queues_bulk"),
+    path("queues/by-filter/", views.queues_confirm, name="queues_confirm"),
+    path("queues/<int:pk>/<str:action>/", views.queue_action, name="queue_action"),
+    path("messages/", views.message_list, name="messages"),
+    path("messages/selected/", views.messages_bulk, name="messages_bulk"),
+    path("messages/by-filter/", views.messages_confirm, name="messages_confirm"),
+    path("messages/<int:pk>/", views.message_detail, name="message"),
+    path("messages/<int:pk>/export/", views.message_export_view, name="message_export"),
+    path("messages/<int:pk>/<str:action>/", views.message_action, name="message_action"),
+    path("deferrals/", views.deferrals, name="deferrals"),
+    path("audit/", views.audit, name="audit"),
+    path("live.json", views.live, name="live"),
+]

@@ -1,0 +1,567 @@
+"""REST API v1: thin edges over queues.filters (reading) and
+queues.services.actions (changing). Every action calls one service.
+
+Errors are ``{"detail": "..."}``: 400 for a filter, cursor or body that
+cannot be understood, 401 anonymous, 403 missing role, 404 unknown id,
+409 an action that makes no sense in the current state (nothing changed).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from django.http import FileResponse, HttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import APIException, ValidationError
+from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer, JSONRenderer
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.utils.urls import replace_query_param
+from rest_framework.views import APIView
+
+from queues import clock
+from queues.api.serializers import (
+    AuditEntrySerializer,
+    BulkResultSerializer,
+    BulkSerializer,
+    ExportSerializer,
+    LinkSerializer,
+    MessageDetailSerializer,
+    MessageListSerializer,
+    QueueSerializer,
+    RemoveSerializer,
+)
+from queues.filters import (
+    AuditFilter,
+    FilterError,
+    MessageFilter,
+    MessageStatus,
+    Page,
+    QueueFilter,
+    audit_page,
+    links_page,
+    messages_page,
+    messages_prefetch,
+    parse_limit,
+    queues_page,
+)
+from queues.models import AuditEntry, Link, Message, Queue
+from queues.permissions import CanReadContent, IsOperator, IsViewer, can_read_content
+from queues.services import actions
+from queues.services.actions import ActionConflict, ActionTooLarge, MessageAction, QueueAction, Via
+from queues.services.counts import error_groups, qshape, queue_history
+
+
+class BadRequest(APIException):
+    status_code = status.HTTP_400_BAD_REQUEST
+    default_detail = "bad request"
+
+
+class Conflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_detail = "the action makes no sense in the current state"
+
+
+class EmlRenderer(BaseRenderer):
+    """Lets ``Accept: message/rfc822`` through content negotiation; errors stay JSON."""
+
+    media_type = "message/rfc822"
+    format = "eml"
+    charset = None
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        return data if isinstance(data, bytes) else json.dumps(data).encode()
+
+
+class ZipRenderer(EmlRenderer):
+    media_type = "application/zip"
+    format = "zip"
+
+
+def _flat_errors(detail: Any, prefix: str = "") -> list[str]:
+    if isinstance(detail, Mapping):
+        out = []
+        for key, value in detail.items():
+            name = "" if key == "non_field_errors" else f"{prefix}{key}: "
+            out += _flat_errors(value, name)
+        return out
+    if isinstance(detail, list):
+        return [m for item in detail for m in _flat_errors(item, prefix)]
+    return [f"{prefix}{detail}"]
+
+
+class OperatorAPI:
+    """Maps the services' exceptions to clear 4xx answers with one ``detail`` string."""
+
+    def handle_exception(self, exc):
+        if isinstance(exc, FilterError):
+            exc = BadRequest(str(exc))
+        elif isinstance(exc, ActionConflict):
+            exc = Conflict(exc.message)
+        elif isinstance(exc, ActionTooLarge):
+            exc = BadRequest(str(exc))
+        elif isinstance(exc, ValidationError) and not isinstance(exc.detail, str):
+            exc = BadRequest("; ".join(_flat_errors(exc.detail)))
+        return super().handle_exception(exc)
+
+
+def _cursor_url(request: Request, cursor: str | None) -> str | None:
+    if not cursor:
+        return None
+    return replace_query_param(request.build_absolute_uri(), "cursor", cursor)
+
+
+def _page_response(request: Request, page: Page, data: list) -> Response:
+    return Response(
+        {
+            "next": _cursor_url(request, page.next_cursor),
+            "previous": _cursor_url(request, page.previous_cursor),
+            "results": data,
+        }
+    )
+
+
+def _filter_params(raw: Mapping[str, Any]) -> dict[str, str]:
+    """A bulk body's ``filter`` object as query-parameter strings."""
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        out[str(key)] = "" if value is None else str(value)
+    return out
+
+
+def _page_params(request: Request, default_limit: int, max_limit: int):
+    q = request.query_params
+    return (
+        q.get("sort"),
+        q.get("cursor") or None,
+        parse_limit(q.get("limit"), default_limit, max_limit),
+    )
+
+
+CURSOR_PARAMS = [
+    OpenApiParameter("cursor", str, description="from a previous page's next/previous"),
+    OpenApiParameter("limit", int, description="rows per page"),
+]
+MESSAGE_FILTER_PARAMS = [
+    OpenApiParameter("qid", str, description="queue id, exactly"),
+    OpenApiParameter("sender", str, description='substring of MAIL FROM ("<>": null sender)'),
+    OpenApiParameter("recipient", str, description="substring of any recipient address"),
+    OpenApiParameter("domain", str, description="a recipient domain, exactly"),
+    OpenApiParameter("message_id", str, description="substring of the Message-ID header"),
+    OpenApiParameter("subject", str, description="substring of the Subject"),
+    OpenApiParameter(
+        "status", str, description=f"any of (comma list): {', '.join(MessageStatus.values)}"
+    ),
+    OpenApiParameter("queue", int, description="a recipient is in this queue"),
+    OpenApiParameter("older_than", str, description="received before: 2h, 30m, 1d or ISO time"),
+    OpenApiParameter("newer_than", str, description="received since: 2h, 30m, 1d or ISO time"),
+    OpenApiParameter("min_size", str, description="bytes, or 10K, 2MB"),
+    OpenApiParameter("max_size", str, description="bytes, or 10K, 2MB"),
+    OpenApiParameter("error", str, description="substring of a deferred/failed recipient's reply"),
+    OpenApiParameter("error_group", str, description="a normalised error from /api/v1/errors/"),
+    OpenApiParameter("source", str, description="smtp, pickup, replay, dsn (comma list)"),
+    OpenApiParameter("sort", str, description="received, size, id; - for descending (-received)"),
+    *CURSOR_PARAMS,
+]
+QUEUE_FILTER_PARAMS = [
+    OpenApiParameter("name", str, description="substring of the queue name"),
+    OpenApiParameter("type", str, description="delivery type(s), comma list"),
+    OpenApiParameter("status", str, description="ready, active, retry, suspended (comma list)"),
+    OpenApiParameter("link", int),
+    OpenApiParameter("nonempty", bool),
+    OpenApiParameter("sort", str, description="name, count, type, incoming, outgoing, id (-count)"),
+    *CURSOR_PARAMS,
+]
+
+
+def _paginated(serializer):
+    return inline_serializer(
+        name=f"Paginated{serializer.__name__.removesuffix('Serializer')}",
+        fields={
+            "next": serializers.URLField(allow_null=True),
+            "previous": serializers.URLField(allow_null=True),
+            "results": serializer(many=True),
+        },
+    )
+
+
+# --- queues ------------------------------------------------------------------------
+
+
+class QueueViewSet(OperatorAPI, viewsets.GenericViewSet):
+    """Delivery queues (one per next-hop domain and delivery type) and their actions."""
+
+    queryset = Queue.objects.select_related("link")
+    serializer_class = QueueSerializer
+    permission_classes = [IsViewer]
+
+    def get_permissions(self):
+        if self.action in ("retry", "resubmit", "suspend", "resume", "bulk"):
+            return [IsOperator()]
+        return [IsViewer()]
+
+    @extend_schema(parameters=QUEUE_FILTER_PARAMS, responses=_paginated(QueueSerializer))
+    def list(self, request: Request) -> Response:
+        sort, cursor, limit = _page_params(request, 100, 1000)
+        page = queues_page(QueueFilter.from_params(request.query_params), sort, cursor, limit)
+        return _page_response(request, page, QueueSerializer(page.items, many=True).data)
+
+    def retrieve(self, request: Request, pk=None) -> Response:
+        return Response(self.get_serializer(self.get_object()).data)
+
+    def _act(self, service) -> Response:
+        queue = self.get_object()
+        service(queue, request_actor(self.request), Via.API)
+        return Response(self.get_serializer(queue).data)
+
+    @extend_schema(request=None, responses=QueueSerializer)
+    @action(detail=True, methods=["post"])
+    def retry(self, request: Request, pk=None) -> Response:
+        """Retry now: clear the link's retry time, make the waiting messages due now."""
+        return self._act(actions.queue_retry)
+
+    @extend_schema(request=None, responses=QueueSerializer)
+    @action(detail=True, methods=["post"])
+    def resubmit(self, request: Request, pk=None) -> Response:
+        """Send the waiting messages back to the categorizer."""
+        return self._act(actions.queue_resubmit)
+
+    @extend_schema(request=None, responses=QueueSerializer)
+    @action(detail=True, methods=["post"])
+    def suspend(self, request: Request, pk=None) -> Response:
+        return self._act(actions.queue_suspend)
+
+    @extend_schema(request=None, responses=QueueSerializer)
+    @action(detail=True, methods=["post"])
+    def resume(self, request: Request, pk=None) -> Response:
+        return self._act(actions.queue_resume)
+
+    @extend_schema(request=BulkSerializer, responses=BulkResultSerializer)
+    @action(detail=False, methods=["post"])
+    def bulk(self, request: Request) -> Response:
+        """A queue action on ``ids``, or on a ``filter`` (needs ``confirm: true``)."""
+        body = BulkSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        if data["action"] not in QueueAction.values:
+            raise BadRequest(f"action: one of {', '.join(QueueAction.values)}")
+        if "ids" in data:
+            qs, audit = Queue.objects.filter(id__in=data["ids"]), {"ids": data["ids"]}
+        else:
+            params = _filter_params(data["filter"])
+            qs, audit = QueueFilter.from_params(params).queryset(), {"filter": params}
+            if not data["confirm"]:
+                count = qs.count()
+                return Response(_bulk_result(data["action"], count, False))
+        count = actions.queues_apply(data["action"], qs, request_actor(request), Via.API, **audit)
+        return Response(_bulk_result(data["action"], count, True))
+
+    @extend_schema(
+        responses=inline_serializer(
+            "QueueHistory",
+            {
+                "at": serializers.DateTimeField(),
+                "depth": serializers.IntegerField(),
+                "incoming_per_minute": serializers.FloatField(),
+                "delivered_per_minute": serializers.FloatField(),
+                "failed_per_minute": serializers.FloatField(),
+            },
+            many=True,
+        )
+    )
+    @action(detail=True, methods=["get"])
+    def history(self, request: Request, pk=None) -> Response:
+        """Depth and delivery rate of this queue over the last hour."""
+        queue = self.get_object()
+        return Response([vars(p) for p in queue_history(queue.pk, clock.now())])
+
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    @action(detail=False, methods=["get"], url_path="history")
+    def total_history(self, request: Request) -> Response:
+        """Depth and delivery rate of all queues together over the last hour."""
+        return Response([vars(p) for p in queue_history(None, clock.now())])
+
+
+def _bulk_result(action_name: str, count: int, confirmed: bool) -> dict:
+    if confirmed:
+        detail = f"{action_name}: {count} changed"
+    else:
+        detail = f"{action_name} would touch {count}; send the same request with confirm: true"
+    return {"action": action_name, "count": count, "confirmed": confirmed, "detail": detail}
+
+
+def request_actor(request: Request):
+    return request.user
+
+
+# --- links ------------------------------------------------------------------------
+
+
+class LinkViewSet(OperatorAPI, viewsets.GenericViewSet):
+    """Next hops shared by queues: connection state and retry time."""
+
+    queryset = Link.objects.all()
+    serializer_class = LinkSerializer
+    permission_classes = [IsViewer]
+
+    @extend_schema(parameters=CURSOR_PARAMS, responses=_paginated(LinkSerializer))
+    def list(self, request: Request) -> Response:
+        _, cursor, limit = _page_params(request, 100, 1000)
+        page = links_page(cursor, limit)
+        return _page_response(request, page, LinkSerializer(page.items, many=True).data)
+
+    def retrieve(self, request: Request, pk=None) -> Response:
+        return Response(self.get_serializer(self.get_object()).data)
+
+
+# --- messages ------------------------------------------------------------------------
+
+
+class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
+    """Messages in the store: list with filters, detail, actions, export."""
+
+    serializer_class = MessageDetailSerializer
+    permission_classes = [IsViewer]
+    lookup_value_regex = "[0-9A-Za-z]+"
+
+    def get_queryset(self):
+        qs = Message.objects.all()
+        if self.action in ("export",):
+            return qs
+        if not can_read_content(self.request.user) or self.action != "retrieve":
+            qs = qs.defer("data")
+        return qs
+
+    def get_object(self):
+        # /messages/<id>/ or /messages/<qid>/
+        value = str(self.kwargs.get(self.lookup_field, ""))
+        if not value.isdigit():
+            self.lookup_field = self.lookup_url_kwarg = "qid"
+            self.kwargs["qid"] = value.upper()
+        return super().get_object()
+
+    def get_permissions(self):
+        if self.action in ("suspend", "resume", "resubmit", "remove", "bulk"):
+            return [IsOperator()]
+        if self.action in ("export", "bulk_export"):
+            return [CanReadContent()]
+        return [IsViewer()]
+
+    def get_serializer_context(self):
+        context = super().get_serializer_context()
+        context["content"] = can_read_content(self.request.user)
+        return context
+
+    @extend_schema(parameters=MESSAGE_FILTER_PARAMS, responses=_paginated(MessageListSerializer))
+    def list(self, request: Request) -> Response:
+        sort, cursor, limit = _page_params(request, 50, 500)
+        page = messages_page(MessageFilter.from_params(request.query_params), sort, cursor, limit)
+        for message, rcpts in zip(page.items, messages_prefetch(page.items).values(), strict=True):
+            message._recipients = rcpts
+        data = MessageListSerializer(
+            page.items, many=True, context=self.get_serializer_context()
+        ).data
+        return _page_response(request, page, data)
+
+    def retrieve(self, request: Request, pk=None) -> Response:
+        return Response(self.get_serializer(self.get_object()).data)
+
+    def _act(self, service, **kwargs) -> Response:
+        message = self.get_object()
+        service(message, request_actor(self.request), Via.API, **kwargs)
+        return Response(self.get_serializer(message).data)
+
+    @extend_schema(request=None, responses=MessageDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def suspend(self, request: Request, pk=None) -> Response:
+        return self._act(actions.message_suspend)
+
+    @extend_schema(request=None, responses=MessageDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def resume(self, request: Request, pk=None) -> Response:
+        return self._act(actions.message_resume)
+
+    @extend_schema(request=None, responses=MessageDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def resubmit(self, request: Request, pk=None) -> Response:
+        return self._act(actions.message_resubmit)
+
+    @extend_schema(request=RemoveSerializer, responses=MessageDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def remove(self, request: Request, pk=None) -> Response:
+        """Fail every recipient not yet final; ``{"ndr": true}`` also sends an NDR."""
+        body = RemoveSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return self._act(actions.message_remove, ndr=body.validated_data["ndr"])
+
+    @extend_schema(responses={(200, "message/rfc822"): OpenApiTypes.BINARY})
+    @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, EmlRenderer])
+    def export(self, request: Request, pk=None) -> HttpResponse:
+        """The message exactly as stored (with our Received header), as ``<qid>.eml``."""
+        message = self.get_object()
+        data = actions.message_export(message, "eml", actor=request_actor(request), via=Via.API)
+        response = HttpResponse(data, content_type="message/rfc822")
+        response["Content-Disposition"] = f'attachment; filename="{message.qid}.eml"'
+        return response
+
+    @extend_schema(request=BulkSerializer, responses=BulkResultSerializer)
+    @action(detail=False, methods=["post"])
+    def bulk(self, request: Request) -> Response:
+        """A message action on ``ids``, or on a ``filter`` (needs ``confirm: true``:
+        without it the answer is how many messages it would touch, and nothing changes)."""
+        body = BulkSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        if data["action"] not in MessageAction.values:
+            raise BadRequest(f"action: one of {', '.join(MessageAction.values)}")
+        if "ids" in data:
+            qs, audit = Message.objects.filter(id__in=data["ids"]), {"ids": data["ids"]}
+        else:
+            params = _filter_params(data["filter"])
+            qs = MessageFilter.from_params(params).queryset()
+            audit = {"filter": params}
+            if not data["confirm"]:
+                count = actions.messages_count(qs, data["action"])
+                return Response(_bulk_result(data["action"], count, False))
+        count = actions.messages_apply(
+            data["action"], qs, request_actor(request), Via.API, ndr=data["ndr"], **audit
+        )
+        return Response(_bulk_result(data["action"], count, True))
+
+    @extend_schema(
+        request=ExportSerializer, responses={(200, "application/zip"): OpenApiTypes.BINARY}
+    )
+    @action(
+        detail=False,
+        methods=["post"],
+        url_path="bulk-export",
+        renderer_classes=[JSONRenderer, ZipRenderer],
+    )
+    def bulk_export(self, request: Request) -> FileResponse:
+        """Selected messages (``ids`` or ``filter``) as a zip of ``<qid>.eml`` files."""
+        body = ExportSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        if "ids" in data:
+            qs, audit = Message.objects.filter(id__in=data["ids"]), {"ids": data["ids"]}
+        else:
+            params = _filter_params(data["filter"])
+            qs, audit = MessageFilter.from_params(params).queryset(), {"filter": params}
+        # FileResponse closes it when the response is done.
+        out = tempfile.SpooledTemporaryFile(max_size=16 * 1024 * 1024)  # noqa: SIM115
+        actions.messages_export_zip(qs, out, request_actor(request), Via.API, **audit)
+        out.seek(0)
+        stamp = clock.now().strftime("%Y%m%dT%H%M%SZ")
+        return FileResponse(
+            out,
+            as_attachment=True,
+            filename=f"messages-{stamp}.zip",
+            content_type="application/zip",
+        )
+
+
+# --- audit ---------------------------------------------------------------------------
+
+
+class AuditViewSet(OperatorAPI, viewsets.GenericViewSet):
+    """What operators did: who, what, on which ids or filter, how many, when."""
+
+    queryset = AuditEntry.objects.all()
+    serializer_class = AuditEntrySerializer
+    permission_classes = [IsViewer]
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("action", str, description="e.g. queue_suspend, message_remove"),
+            OpenApiParameter("actor", str),
+            OpenApiParameter("target_type", str, description="queue or message"),
+            OpenApiParameter("via", str, description="ui, api or cli"),
+            OpenApiParameter("since", str, description="2h, 1d or ISO time"),
+            *CURSOR_PARAMS,
+        ],
+        responses=_paginated(AuditEntrySerializer),
+    )
+    def list(self, request: Request) -> Response:
+        _, cursor, limit = _page_params(request, 50, 500)
+        page = audit_page(AuditFilter.from_params(request.query_params), cursor, limit)
+        return _page_response(request, page, AuditEntrySerializer(page.items, many=True).data)
+
+    def retrieve(self, request: Request, pk=None) -> Response:
+        return Response(self.get_serializer(self.get_object()).data)
+
+
+# --- summaries -------------------------------------------------------------------------
+
+
+class QShapeView(OperatorAPI, APIView):
+    """Waiting recipients per destination and age (minutes), like Postfix's qshape."""
+
+    permission_classes = [IsViewer]
+    renderer_classes = [JSONRenderer, BrowsableAPIRenderer]
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("by", str, description="queue (default) or domain"),
+            OpenApiParameter("top", int, description="only the N largest rows"),
+        ],
+        responses=OpenApiTypes.OBJECT,
+    )
+    def get(self, request: Request) -> Response:
+        by = request.query_params.get("by", "queue")
+        if by not in ("queue", "domain"):
+            raise BadRequest("by: queue or domain")
+        top = (
+            parse_limit(request.query_params.get("top"), 0, 100000)
+            if request.query_params.get("top")
+            else None
+        )
+        shape = qshape(clock.now(), by=by, top=top)
+        return Response(
+            {
+                "buckets": shape.buckets,
+                "total": vars(shape.total),
+                "rows": [vars(r) for r in shape.rows],
+            }
+        )
+
+
+class ErrorGroupsView(OperatorAPI, APIView):
+    """Deferrals grouped by error: per queue, the distinct normalised last errors."""
+
+    permission_classes = [IsViewer]
+
+    @extend_schema(
+        parameters=[OpenApiParameter("queue", int, description="only this queue")],
+        responses=OpenApiTypes.OBJECT,
+    )
+    def get(self, request: Request) -> Response:
+        raw = request.query_params.get("queue")
+        queue_id = None
+        if raw:
+            if not raw.isdigit():
+                raise BadRequest("queue: a queue id")
+            queue_id = int(raw)
+        base = request.build_absolute_uri("/api/v1/messages/")
+        out = []
+        for g in error_groups(queue_id):
+            url = replace_query_param(base, "queue", g.queue_id)
+            url = replace_query_param(url, "status", MessageStatus.RETRY)
+            out.append(
+                {
+                    "queue": {"id": g.queue_id, "name": g.queue_name},
+                    "code": g.code,
+                    "enhanced": g.enhanced,
+                    "text": g.text,
+                    "recipients": g.recipients,
+                    "messages": replace_query_param(url, "error_group", g.text),
+                }
+            )
+        return Response(out)

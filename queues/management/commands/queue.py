@@ -1,0 +1,125 @@
+"""python manage.py queue list|retry|resubmit|suspend|resume
+
+queue list --status retry
+queue retry example.net
+queue suspend 12 14
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from queues import clock
+from queues.filters import FilterError, QueueFilter, parse_limit, queue_status, queues_page
+from queues.management.commands.message import add_actor_option, cli_actor
+from queues.models import Queue
+from queues.services import actions
+from queues.services.actions import ActionConflict, Via
+
+
+def queue_by_ref(ref: str) -> Queue:
+    """A queue by id, or by name when exactly one queue has it."""
+    qs = Queue.objects.select_related("link")
+    if ref.isdigit():
+        try:
+            return qs.get(pk=int(ref))
+        except Queue.DoesNotExist:
+            raise CommandError(f"no queue {ref!r}") from None
+    found = list(qs.filter(name__iexact=ref))
+    if not found:
+        raise CommandError(f"no queue named {ref!r}")
+    if len(found) > 1:
+        ids = ", ".join(f"{q.pk} ({q.delivery_type})" for q in found)
+        raise CommandError(f"several queues are named {ref!r}: use an id: {ids}")
+    return found[0]
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+class Command(BaseCommand):
+    help = "List queues and act on them (retry now, resubmit, suspend, resume)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        sub = parser.add_subparsers(dest="command", required=True)
+        p = sub.add_parser("list", help="queues, largest first")
+        p.add_argument("--name", help="substring of the queue name")
+        p.add_argument("--type", help="delivery type(s), comma list")
+        p.add_argument("--status", help="ready, active, retry, suspended (comma list)")
+        p.add_argument("--nonempty", action="store_true", help="only queues with messages")
+        p.add_argument("--sort", help="name, count, type, incoming, outgoing, id (default -count)")
+        p.add_argument("--limit", default="1000")
+        p.add_argument("--json", action="store_true")
+        for name, text in [
+            ("retry", "try now (override the next retry time)"),
+            ("resubmit", "send the waiting messages back to the categorizer"),
+            ("suspend", "stop delivering from the queue"),
+            ("resume", "deliver from the queue again"),
+        ]:
+            p = sub.add_parser(name, help=text)
+            p.add_argument("queues", nargs="+", help="queue ids or names")
+            add_actor_option(p)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["command"] == "list":
+            self._list(options)
+            return
+        actor = cli_actor(options)
+        service = getattr(actions, f"queue_{options['command']}")
+        failed = False
+        for ref in options["queues"]:
+            queue = queue_by_ref(ref)
+            try:
+                count = service(queue, actor, Via.CLI)
+            except ActionConflict as exc:
+                self.stderr.write(f"{queue.name}: {exc.message}")
+                failed = True
+                continue
+            self.stdout.write(f"{options['command']}: {queue.name} ({count} messages)")
+        if failed:
+            raise CommandError("some queues were not changed")
+
+    def _list(self, options: dict[str, Any]) -> None:
+        params = {k: options[k] for k in ("name", "type", "status") if options.get(k)}
+        if options["nonempty"]:
+            params["nonempty"] = "1"
+        try:
+            f = QueueFilter.from_params(params)
+            page = queues_page(
+                f, options.get("sort"), None, parse_limit(options["limit"], 1000, 100000)
+            )
+        except FilterError as exc:
+            raise CommandError(str(exc)) from None
+        now = clock.now()
+        if options["json"]:
+            from queues.api.serializers import QueueSerializer
+
+            for row in QueueSerializer(page.items, many=True).data:
+                self.stdout.write(json.dumps(row, default=str))
+            return
+        self.stdout.write(
+            f"{'ID':>6} {'NAME':32} {'TYPE':13} {'STATUS':9} {'MSGS':>7} {'IN/m':>7} "
+            f"{'OUT/m':>7} {'OLDEST':>6} {'NEXT RETRY':19} LAST ERROR"
+        )
+        for q in page.items:
+            oldest = (now - q.oldest_received_at).total_seconds() if q.oldest_received_at else None
+            link = q.link if q.link_id else None
+            retry_at = (
+                f"{link.next_retry_at:%Y-%m-%d %H:%M:%S}" if link and link.next_retry_at else "-"
+            )
+            error = (link.last_error if link and link.state == "retry" else "") or q.last_error
+            self.stdout.write(
+                f"{q.pk:>6} {q.name[:32]:32} {q.delivery_type:13} {queue_status(q):9} "
+                f"{q.message_count:>7} {q.incoming_rate:>7.1f} {q.outgoing_rate:>7.1f} "
+                f"{_age(oldest):>6} {retry_at:19} {' '.join(error.split())[:60]}"
+            )

@@ -1,0 +1,337 @@
+"""Queue counts, rates and history, qshape and deferrals by error: the numbers
+the Queue Viewer shows without counting messages on every page view.
+
+``queues_recount(now)`` runs from the periodic sweep. It refreshes every
+queue's message count, oldest message, incoming and outgoing rate in one
+GROUP BY over the waiting recipients (plus a few lookups by primary key),
+and writes one ``QueueSample`` per busy queue (and one total) for the
+last-hour charts. Samples older than two hours are pruned in the same pass.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db import connection, transaction
+from django.db.models import Count, F, Func, Max, Min, Q, TextField, Value
+
+from queues.filters import ERROR_TOKEN_SQL, error_normalize
+from queues.models import (
+    WAITING_RECIPIENT_STATES,
+    Attempt,
+    AttemptOutcome,
+    DeliveryType,
+    Message,
+    MessageState,
+    Queue,
+    QueueSample,
+    Recipient,
+    RecipientState,
+)
+from queues.services.routing import special_queue
+
+SAMPLE_RETENTION = timedelta(hours=2)
+HISTORY_WINDOW = timedelta(hours=1)
+
+# Postfix qshape's default buckets: ages up to 5, 10, 20, … 1280 minutes, then older.
+QSHAPE_EDGES_MINUTES = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
+
+# A queue's message count covers the recipients waiting in it and those in flight.
+COUNTED_STATES = (*WAITING_RECIPIENT_STATES, RecipientState.ACTIVE)
+
+
+@dataclass
+class _Tally:
+    depth: int = 0
+    oldest_id: int | None = None
+    delivered: int = 0
+    failed: int = 0
+
+
+def _per_minute(count: int, seconds: float) -> float:
+    return round(count * 60.0 / seconds, 2) if seconds > 0 else 0.0
+
+
+def queues_recount(now: datetime) -> None:
+    """Refresh Queue.message_count / counted_at / rates / oldest, and sample them.
+
+    Steps:
+    1. one GROUP BY over waiting and in-flight recipients: distinct messages
+       and the oldest (lowest) message id per queue; the Submission queue's
+       count is the messages waiting for the categorizer;
+    2. the oldest messages' received_at, by primary key;
+    3. the attempts recorded since the previous recount (ids past the mark
+       kept in the previous total sample): delivered and failed per queue;
+    4. arrivals: in total, the messages stored since the previous recount;
+       per queue, the change in depth plus what left it (never below zero);
+    5. in one transaction: update the queues whose numbers changed, write the
+       samples (busy queues and the total), prune samples older than two hours.
+    """
+    tallies: dict[int, _Tally] = defaultdict(_Tally)
+    rows = (
+        Recipient.objects.filter(state__in=COUNTED_STATES, queue__isnull=False)
+        .values("queue_id")
+        .annotate(depth=Count("message_id", distinct=True), oldest=Min("message_id"))
+        .order_by()
+    )
+    for row in rows:
+        tally = tallies[row["queue_id"]]
+        tally.depth, tally.oldest_id = row["depth"], row["oldest"]
+
+    submission = special_queue(DeliveryType.SUBMISSION, now)
+    waiting_categorizer = Message.objects.filter(
+        state__in=[MessageState.SUBMISSION, MessageState.CATEGORIZING]
+    )
+    sub = waiting_categorizer.aggregate(depth=Count("id"), oldest=Min("id"))
+    tallies[submission.pk].depth = sub["depth"] or 0
+    tallies[submission.pk].oldest_id = sub["oldest"]
+
+    oldest_ids = [t.oldest_id for t in tallies.values() if t.oldest_id is not None]
+    received = dict(Message.objects.filter(id__in=oldest_ids).values_list("id", "received_at"))
+
+    previous = QueueSample.objects.filter(queue__isnull=True).order_by("-sampled_at", "-id").first()
+    attempt_mark = Attempt.objects.aggregate(m=Max("id"))["m"] or 0
+    message_mark = Message.objects.aggregate(m=Max("id"))["m"] or 0
+    seconds = 0.0
+    arrived_total = 0
+    if previous is not None:
+        seconds = max((now - previous.sampled_at).total_seconds(), 0.0)
+        outcomes = (
+            Attempt.objects.filter(id__gt=previous.attempt_mark, id__lte=attempt_mark)
+            .filter(queue__isnull=False)
+            .values("queue_id")
+            .annotate(
+                delivered=Count("id", filter=Q(outcome=AttemptOutcome.DELIVERED)),
+                failed=Count("id", filter=Q(outcome=AttemptOutcome.FAILED)),
+            )
+            .order_by()
+        )
+        for row in outcomes:
+            tally = tallies[row["queue_id"]]
+            tally.delivered, tally.failed = row["delivered"], row["failed"]
+        arrived_total = Message.objects.filter(
+            id__gt=previous.message_mark, id__lte=message_mark
+        ).count()
+
+    queues = list(Queue.objects.all())
+    changed: list[Queue] = []
+    samples: list[QueueSample] = []
+    total = QueueSample(
+        sampled_at=now,
+        queue=None,
+        seconds=seconds,
+        depth=0,
+        incoming=arrived_total,
+        attempt_mark=attempt_mark,
+        message_mark=message_mark,
+    )
+    for queue in queues:
+        tally = tallies.get(queue.pk, _Tally())
+        left = tally.delivered + tally.failed
+        incoming = max(tally.depth - queue.message_count + left, 0) if previous else 0
+        oldest = received.get(tally.oldest_id) if tally.oldest_id is not None else None
+        values = {
+            "message_count": tally.depth,
+            "oldest_received_at": oldest,
+            "incoming_rate": _per_minute(incoming, seconds),
+            "outgoing_rate": _per_minute(left, seconds),
+        }
+        busy = tally.depth or queue.message_count or incoming or left
+        if any(getattr(queue, k) != v for k, v in values.items()) or queue.counted_at is None:
+            for k, v in values.items():
+                setattr(queue, k, v)
+            changed.append(queue)
+        queue.counted_at = now
+        total.depth += tally.depth
+        total.delivered += tally.delivered
+        total.failed += tally.failed
+        if busy:
+            samples.append(
+                QueueSample(
+                    sampled_at=now,
+                    queue=queue,
+                    seconds=seconds,
+                    depth=tally.depth,
+                    incoming=incoming,
+                    delivered=tally.delivered,
+                    failed=tally.failed,
+                    attempt_mark=attempt_mark,
+                    message_mark=message_mark,
+                )
+            )
+    samples.append(total)
+
+    with transaction.atomic():
+        if changed:
+            Queue.objects.bulk_update(
+                changed,
+                ["message_count", "oldest_received_at", "incoming_rate", "outgoing_rate"],
+                batch_size=500,
+            )
+        # counted_at moves for every queue: one statement, not one per queue.
+        Queue.objects.update(counted_at=now)
+        QueueSample.objects.bulk_create(samples, batch_size=1000)
+        QueueSample.objects.filter(sampled_at__lt=now - SAMPLE_RETENTION).delete()
+
+
+# --- history (the last-hour chart) ------------------------------------------------
+
+
+@dataclass
+class HistoryPoint:
+    at: datetime
+    depth: int
+    incoming_per_minute: float
+    delivered_per_minute: float
+    failed_per_minute: float
+
+
+def queue_history(
+    queue_id: int | None, now: datetime, window: timedelta = HISTORY_WINDOW
+) -> list[HistoryPoint]:
+    """Depth and rates of one queue (``None``: all queues) over the last ``window``."""
+    rows = QueueSample.objects.filter(
+        queue_id=queue_id, sampled_at__gte=now - window, sampled_at__lte=now
+    ).order_by("sampled_at")
+    return [
+        HistoryPoint(
+            at=s.sampled_at,
+            depth=s.depth,
+            incoming_per_minute=_per_minute(s.incoming, s.seconds),
+            delivered_per_minute=_per_minute(s.delivered, s.seconds),
+            failed_per_minute=_per_minute(s.failed, s.seconds),
+        )
+        for s in rows
+    ]
+
+
+# --- qshape ---------------------------------------------------------------------
+
+
+@dataclass
+class QShapeRow:
+    key: str  # queue name or recipient domain
+    queue_id: int | None
+    total: int
+    counts: list[int]  # one per bucket, youngest first
+
+
+@dataclass
+class QShape:
+    buckets: list[str]  # "5" … "1280" (minutes, up to), then "1280+"
+    total: QShapeRow
+    rows: list[QShapeRow] = field(default_factory=list)
+
+
+def _first_id_received_since(when: datetime) -> int:
+    first = (
+        Message.objects.filter(received_at__gte=when)
+        .order_by("received_at", "id")
+        .values_list("id", flat=True)
+        .first()
+    )
+    return first if first is not None else (Message.objects.aggregate(m=Max("id"))["m"] or 0) + 1
+
+
+def qshape(now: datetime, by: str = "queue", top: int | None = None) -> QShape:
+    """Postfix's qshape: waiting recipients per destination and age bucket.
+
+    ``by`` is ``queue`` (the delivery queue: one per next-hop domain) or
+    ``domain`` (the recipient's domain). Ages are the message's time in the
+    store. Steps:
+    1. for each bucket edge, the first message id received since then (an
+       index lookup; ids grow with arrival, so an id range is an age range);
+    2. one GROUP BY over the waiting recipients with a count per id range.
+    """
+    if by not in ("queue", "domain"):
+        raise ValueError("by: queue or domain")
+    edges = [_first_id_received_since(now - timedelta(minutes=m)) for m in QSHAPE_EDGES_MINUTES]
+    buckets: dict[str, Count] = {}
+    upper: int | None = None
+    for i, lower in enumerate(edges):
+        cond = Q(message_id__gte=lower)
+        if upper is not None:
+            cond &= Q(message_id__lt=upper)
+        buckets[f"b{i}"] = Count("id", filter=cond)
+        upper = lower
+    buckets[f"b{len(edges)}"] = Count("id", filter=Q(message_id__lt=upper))
+    group = "queue_id" if by == "queue" else "domain"
+    rows = (
+        Recipient.objects.filter(state__in=WAITING_RECIPIENT_STATES, queue__isnull=False)
+        .values(group)
+        .annotate(total=Count("id"), **buckets)
+        .order_by()
+    )
+    names = dict(Queue.objects.values_list("id", "name")) if by == "queue" else {}
+    out: list[QShapeRow] = []
+    for row in rows:
+        counts = [row[f"b{i}"] for i in range(len(edges) + 1)]
+        if by == "queue":
+            name = names.get(row["queue_id"], "?")
+            out.append(QShapeRow(name, row["queue_id"], row["total"], counts))
+        else:
+            out.append(QShapeRow(row["domain"], None, row["total"], counts))
+    out.sort(key=lambda r: (-r.total, r.key))
+    total = QShapeRow(
+        "TOTAL",
+        None,
+        sum(r.total for r in out),
+        [sum(r.counts[i] for r in out) for i in range(len(edges) + 1)],
+    )
+    labels = [str(m) for m in QSHAPE_EDGES_MINUTES] + [f"{QSHAPE_EDGES_MINUTES[-1]}+"]
+    return QShape(labels, total, out[:top] if top else out)
+
+
+# --- deferrals grouped by error -------------------------------------------------
+
+
+@dataclass
+class ErrorGroup:
+    queue_id: int
+    queue_name: str
+    code: int | None
+    enhanced: str
+    text: str  # normalised (error_normalize): the value of the error_group filter
+    recipients: int
+
+
+def error_groups(queue_id: int | None = None, limit: int = 200) -> list[ErrorGroup]:
+    """The distinct last errors of deferred recipients per queue, normalised, with counts.
+
+    Each group links to its messages with the filter ``queue=<id>&error_group=<text>``.
+    """
+    qs = Recipient.objects.filter(state=RecipientState.DEFERRED, queue__isnull=False)
+    if queue_id is not None:
+        qs = qs.filter(queue_id=queue_id)
+    if connection.vendor == "postgresql":
+        # Normalise in the database: far fewer groups come back (ids make every
+        # raw text distinct); Python then only merges what white space splits.
+        text = Func(
+            F("last_text"),
+            Value(ERROR_TOKEN_SQL),
+            Value("#"),
+            Value("g"),
+            function="regexp_replace",
+            output_field=TextField(),
+        )
+    else:
+        text = F("last_text")
+    rows = (
+        qs.annotate(text=text)
+        .values("queue_id", "last_code", "last_enhanced", "text")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    merged: dict[tuple[int, int | None, str, str], int] = defaultdict(int)
+    for row in rows:
+        text = error_normalize(row["text"] or "")
+        merged[(row["queue_id"], row["last_code"], row["last_enhanced"], text)] += row["n"]
+    names = dict(Queue.objects.filter(id__in={k[0] for k in merged}).values_list("id", "name"))
+    groups = [
+        ErrorGroup(qid, names.get(qid, "?"), code, enhanced, text, n)
+        for (qid, code, enhanced, text), n in merged.items()
+    ]
+    groups.sort(key=lambda g: (-g.recipients, g.queue_name, g.text))
+    return groups[:limit]

@@ -1,0 +1,692 @@
+"""Queue Viewer pages: thin views over queues.filters (reading), queues.services
+(acting) and queues.permissions (who may do what).
+
+Reading: every list is one indexed query paged by keyset (queues.filters);
+the numbers shown for queues are the ones the sweep keeps on the queue rows
+(queues.services.counts), never counted per page view.
+
+Acting: each action calls its one service in queues.services.actions and
+shows the outcome as a flash message; an ActionConflict (the HTTP 409 of the
+API) is shown as an error and changes nothing. Viewers get no action buttons,
+no message content and a 403 on any action.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib import messages as flash
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q, Sum
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseRedirect,
+    JsonResponse,
+    QueryDict,
+)
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from queues import clock
+from queues.filters import (
+    AuditFilter,
+    FilterError,
+    MessageFilter,
+    MessageStatus,
+    QueueFilter,
+    QueueStatus,
+    audit_page,
+    message_body_preview,
+    message_headers,
+    message_status,
+    messages_page,
+    messages_prefetch,
+    parse_limit,
+    queue_status,
+    queues_page,
+)
+from queues.models import (
+    Attempt,
+    DeliveryType,
+    Event,
+    LinkState,
+    Message,
+    Queue,
+    Recipient,
+    RecipientState,
+)
+from queues.permissions import can_act, can_read_content, can_view, user_role
+from queues.services.actions import (
+    ActionConflict,
+    ActionTooLarge,
+    MessageAction,
+    QueueAction,
+    Via,
+    message_export,
+    message_remove,
+    message_resubmit,
+    message_resume,
+    message_suspend,
+    messages_apply,
+    messages_count,
+    messages_export_zip,
+    queue_resubmit,
+    queue_resume,
+    queue_retry,
+    queue_suspend,
+    queues_apply,
+)
+from queues.services.counts import error_groups, qshape, queue_history
+from queues.ui.display import age_text, rate_text, relative_text, size_text, visible_text
+from queues.ui.forms import MessageFilterForm, QueueFilterForm
+
+QUEUES_PER_PAGE = 100
+MESSAGES_PER_PAGE = 50
+ATTEMPTS_SHOWN = 200
+EVENTS_SHOWN = 200
+LIVE_MAX_IDS = 200
+ERROR_STATES = (RecipientState.DEFERRED, RecipientState.FAILED, RecipientState.EXPIRED)
+
+# Bulk message actions as the forms name them: (service action, with NDR).
+MESSAGE_BULK_ACTIONS: dict[str, tuple[str, bool]] = {
+    "suspend": (MessageAction.SUSPEND, False),
+    "resume": (MessageAction.RESUME, False),
+    "resubmit": (MessageAction.RESUBMIT, False),
+    "remove": (MessageAction.REMOVE, False),
+    "remove_ndr": (MessageAction.REMOVE, True),
+}
+MESSAGE_ACTION_LABELS = {
+    "suspend": "Suspend",
+    "resume": "Resume",
+    "resubmit": "Resubmit",
+    "remove": "Remove without NDR",
+    "remove_ndr": "Remove with NDR",
+    "export": "Export as zip",
+}
+MESSAGE_ACTION_PAST = {
+    "suspend": "Suspended",
+    "resume": "Resumed",
+    "resubmit": "Resubmitted",
+    "remove": "Removed (no NDR)",
+    "remove_ndr": "Removed with NDR",
+}
+QUEUE_SERVICES: dict[str, Callable[..., int]] = {
+    QueueAction.RETRY: queue_retry,
+    QueueAction.RESUBMIT: queue_resubmit,
+    QueueAction.SUSPEND: queue_suspend,
+    QueueAction.RESUME: queue_resume,
+}
+QUEUE_ACTION_PAST = {
+    QueueAction.RETRY: "Retrying",
+    QueueAction.RESUBMIT: "Resubmitted",
+    QueueAction.SUSPEND: "Suspended",
+    QueueAction.RESUME: "Resumed",
+}
+MESSAGE_SERVICES: dict[str, Callable[..., int]] = {
+    "suspend": message_suspend,
+    "resume": message_resume,
+    "resubmit": message_resubmit,
+}
+
+
+# --- access -------------------------------------------------------------------------
+
+
+def viewer_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Signed in (else the login page) and holding a role (else 403)."""
+
+    @login_required
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not can_view(request.user):
+            raise PermissionDenied(
+                "Your account has no Queue Viewer role (viewer, operator or admin)."
+            )
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Signed in and an operator (or admin): actions and message content; 403 for viewers."""
+
+    @login_required
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not can_act(request.user):
+            raise PermissionDenied("This needs the operator role.")
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def _page(request: HttpRequest, template: str, section: str, **context: Any) -> HttpResponse:
+    context.setdefault("totals", _totals())
+    context.update(
+        section=section,
+        role=user_role(request.user) or "no role",
+        can_act=can_act(request.user),
+        can_read_content=can_read_content(request.user),
+    )
+    return render(request, template, context)
+
+
+def _back(request: HttpRequest, fallback: str) -> HttpResponseRedirect:
+    """Where an action returns to: the page that posted it (``next``), else ``fallback``."""
+    target = request.POST.get("next") or request.GET.get("next") or ""
+    if not url_has_allowed_host_and_scheme(
+        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        target = fallback
+    return HttpResponseRedirect(target or fallback)
+
+
+def _ids(values: list[str]) -> list[int]:
+    out = []
+    for value in values:
+        try:
+            out.append(int(value))
+        except ValueError:
+            continue
+    return out
+
+
+# --- rows: what a table line shows --------------------------------------------------
+
+
+def _queue_row(queue: Queue, now) -> dict[str, Any]:
+    status = queue_status(queue)
+    link = queue.link if queue.link_id else None
+    next_retry = link.next_retry_at if link is not None and link.state == LinkState.RETRY else None
+    last_error = queue.last_error or (link.last_error if link is not None else "")
+    return {
+        "queue": queue,
+        "link": link,
+        "status": status,
+        "status_label": QueueStatus(status).label,
+        "next_retry_at": next_retry,
+        "next_retry": relative_text(next_retry, now),
+        "last_error": last_error,
+        "oldest": age_text(queue.oldest_received_at, now),
+        "rate_in": rate_text(queue.incoming_rate),
+        "rate_out": rate_text(queue.outgoing_rate),
+        "actionable": queue.delivery_type != DeliveryType.SUBMISSION,
+    }
+
+
+def _queue_live(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "count": row["queue"].message_count,
+        "status": row["status"],
+        "status_label": row["status_label"],
+        "next_retry": row["next_retry"],
+        "last_error": row["last_error"],
+        "oldest": row["oldest"],
+        "rate_in": row["rate_in"],
+        "rate_out": row["rate_out"],
+    }
+
+
+def _last_error(recipients: list[Recipient]) -> str:
+    """The newest reply of a recipient that failed or waits after a failure."""
+    failing = [r for r in recipients if r.state in ERROR_STATES and r.last_text]
+    if not failing:
+        return ""
+    latest = max(failing, key=lambda r: (r.last_attempt_at is not None, r.last_attempt_at))
+    code = " ".join(str(p) for p in (latest.last_code, latest.last_enhanced) if p)
+    return f"{code} {latest.last_text}".strip()
+
+
+def _message_row(message: Message, recipients: list[Recipient]) -> dict[str, Any]:
+    status = message_status(message, [r.state for r in recipients])
+    queues: dict[int, Queue] = {}
+    for r in recipients:
+        if r.queue_id is not None and r.queue is not None:
+            queues.setdefault(r.queue_id, r.queue)
+    return {
+        "message": message,
+        "recipients": recipients[:3],
+        "more_recipients": max(len(recipients) - 3, 0),
+        "status": status,
+        "status_label": MessageStatus(status).label,
+        "queues": list(queues.values()),
+        "last_error": _last_error(recipients),
+        # Tries of the most-tried recipient (recipients of one message are tried together).
+        "attempts": max((r.attempt_count for r in recipients), default=0),
+        "size": size_text(message.size),
+    }
+
+
+def _next_attempt(when, now) -> str:
+    return "due" if when <= now else relative_text(when, now)
+
+
+def _message_live(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "status": row["status"],
+        "status_label": row["status_label"],
+        "attempts": row["attempts"],
+        "last_error": row["last_error"],
+    }
+
+
+def _totals() -> dict[str, int]:
+    """The header's numbers: from the queue rows (kept by the sweep), one aggregate."""
+    totals = Queue.objects.aggregate(
+        messages=Sum("message_count"),
+        queues=Count("id"),
+        suspended_queues=Count("id", filter=Q(suspended=True)),
+        retry_queues=Count("id", filter=Q(suspended=False, link__state=LinkState.RETRY)),
+    )
+    return {k: v or 0 for k, v in totals.items()}
+
+
+# --- pages --------------------------------------------------------------------------
+
+
+@viewer_required
+def home(request: HttpRequest) -> HttpResponse:
+    return redirect("ui:queues")
+
+
+@viewer_required
+@require_GET
+def queue_list(request: HttpRequest) -> HttpResponse:
+    now = clock.now()
+    form = QueueFilterForm(request.GET or None)
+    rows: list[dict[str, Any]] = []
+    page = None
+    f = QueueFilter()
+    try:
+        f = QueueFilter.from_params(request.GET)
+        page = queues_page(f, request.GET.get("sort"), request.GET.get("cursor"), QUEUES_PER_PAGE)
+        rows = [_queue_row(q, now) for q in page.items]
+    except FilterError as e:
+        flash.error(request, str(e))
+    return _page(
+        request,
+        "ui/queue_list.html",
+        "queues",
+        form=form,
+        rows=rows,
+        page=page,
+        sort=request.GET.get("sort") or "-count",
+        queue_actions=QueueAction.choices,
+        filtered=bool(f.params),
+    )
+
+
+@viewer_required
+@require_GET
+def qshape_view(request: HttpRequest) -> HttpResponse:
+    by = "domain" if request.GET.get("by") == "domain" else "queue"
+    shape = qshape(clock.now(), by=by, top=50)
+    return _page(request, "ui/qshape.html", "queues", shape=shape, by=by)
+
+
+@viewer_required
+@require_GET
+def message_list(request: HttpRequest) -> HttpResponse:
+    form = MessageFilterForm(request.GET or None)
+    rows: list[dict[str, Any]] = []
+    page = None
+    f = MessageFilter()
+    filter_error = ""
+    try:
+        f = MessageFilter.from_params(request.GET)
+        limit = parse_limit(request.GET.get("limit"), MESSAGES_PER_PAGE)
+        page = messages_page(f, request.GET.get("sort"), request.GET.get("cursor"), limit)
+        recipients = messages_prefetch(page.items)
+        rows = [_message_row(m, recipients[m.pk]) for m in page.items]
+    except FilterError as e:
+        filter_error = str(e)
+        flash.error(request, filter_error)
+    queue = Queue.objects.filter(pk=f.queue).first() if f.queue is not None else None
+    return _page(
+        request,
+        "ui/message_list.html",
+        "messages",
+        form=form,
+        rows=rows,
+        page=page,
+        filter=f,
+        # An unreadable filter must never turn into "every message" for a filter action.
+        filter_error=filter_error,
+        queue=queue,
+        sort=request.GET.get("sort") or "-received",
+        bulk_actions=[(k, MESSAGE_ACTION_LABELS[k]) for k in (*MESSAGE_BULK_ACTIONS, "export")],
+    )
+
+
+def _query(params: dict[str, str]) -> str:
+    q = QueryDict(mutable=True)
+    for k, v in params.items():
+        q[k] = v
+    return q.urlencode()
+
+
+@viewer_required
+@require_GET
+def message_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    content = can_read_content(request.user)
+    qs = Message.objects.all() if content else Message.objects.defer("data")
+    message = get_object_or_404(qs, pk=pk)
+    recipients = list(
+        Recipient.objects.filter(message=message).select_related("queue").order_by("id")
+    )
+    attempts = list(
+        Attempt.objects.filter(message=message)
+        .select_related("recipient", "queue")
+        .order_by("-started_at", "-id")[: ATTEMPTS_SHOWN + 1]
+    )
+    events = list(
+        Event.objects.filter(message=message).order_by("-created_at", "-id")[: EVENTS_SHOWN + 1]
+    )
+    now = clock.now()
+    headers: list[tuple[str, str]] = []
+    preview, preview_cut = "", False
+    if content:
+        headers = message_headers(message)
+        preview, preview_cut = message_body_preview(message)
+        preview = visible_text(preview)
+    row = _message_row(message, recipients)
+    return _page(
+        request,
+        "ui/message_detail.html",
+        "messages",
+        m=message,
+        row=row,
+        recipients=[{"r": r, "next": _next_attempt(r.next_attempt_at, now)} for r in recipients],
+        attempts=attempts[:ATTEMPTS_SHOWN],
+        attempts_cut=len(attempts) > ATTEMPTS_SHOWN,
+        events=events[:EVENTS_SHOWN],
+        events_cut=len(events) > EVENTS_SHOWN,
+        headers=headers,
+        preview=preview,
+        preview_cut=preview_cut,
+        size=size_text(message.size),
+        received_ago=relative_text(message.received_at, now),
+        expires_in=relative_text(message.expires_at, now),
+        done=message.state == "done",
+    )
+
+
+@viewer_required
+@require_GET
+def deferrals(request: HttpRequest) -> HttpResponse:
+    queue_id = None
+    if request.GET.get("queue", "").isdigit():
+        queue_id = int(request.GET["queue"])
+    groups = error_groups(queue_id)
+    by_queue: dict[int, dict[str, Any]] = {}
+    for g in groups:
+        entry = by_queue.setdefault(
+            g.queue_id, {"queue_id": g.queue_id, "name": g.queue_name, "groups": [], "total": 0}
+        )
+        entry["groups"].append(
+            {
+                "group": g,
+                "query": _query({"queue": str(g.queue_id), "error_group": g.text}),
+            }
+        )
+        entry["total"] += g.recipients
+    destinations = sorted(by_queue.values(), key=lambda e: (-e["total"], e["name"]))
+    return _page(
+        request,
+        "ui/deferrals.html",
+        "deferrals",
+        destinations=destinations,
+        queue_id=queue_id,
+        total=sum(d["total"] for d in destinations),
+    )
+
+
+@viewer_required
+@require_GET
+def audit(request: HttpRequest) -> HttpResponse:
+    entries = []
+    page = None
+    try:
+        f = AuditFilter.from_params(request.GET)
+        page = audit_page(f, request.GET.get("cursor"), parse_limit(request.GET.get("limit")))
+        entries = [
+            {
+                "entry": e,
+                "ids": list(e.target_ids or [])[:20],
+                "more_ids": max(len(e.target_ids or []) - 20, 0),
+                "filter_query": _query({k: str(v) for k, v in (e.filter or {}).items()}),
+            }
+            for e in page.items
+        ]
+    except FilterError as e:
+        flash.error(request, str(e))
+    return _page(request, "ui/audit.html", "audit", entries=entries, page=page)
+
+
+@viewer_required
+@require_GET
+def live(request: HttpRequest) -> JsonResponse:
+    """The small JSON the pages poll: totals, the shown queues and messages, the chart."""
+    now = clock.now()
+    data: dict[str, Any] = {"now": now.isoformat(), "totals": _totals()}
+    queue_ids = _ids(request.GET.get("queues", "").split(","))[:LIVE_MAX_IDS]
+    if queue_ids:
+        queues = Queue.objects.filter(id__in=queue_ids).select_related("link")
+        data["queues"] = {str(q.pk): _queue_live(_queue_row(q, now)) for q in queues}
+    message_ids = _ids(request.GET.get("messages", "").split(","))[:LIVE_MAX_IDS]
+    if message_ids:
+        found = list(Message.objects.filter(id__in=message_ids).defer("data"))
+        recipients = messages_prefetch(found)
+        data["messages"] = {
+            str(m.pk): _message_live(_message_row(m, recipients[m.pk])) for m in found
+        }
+    if request.GET.get("history"):
+        data["history"] = [
+            {
+                "t": p.at.isoformat(),
+                "label": p.at.strftime("%H:%M"),
+                "depth": p.depth,
+                "delivered": p.delivered_per_minute,
+            }
+            for p in queue_history(None, now)
+        ]
+    return JsonResponse(data)
+
+
+# --- actions ------------------------------------------------------------------------
+
+
+def _conflict(request: HttpRequest, error: ActionConflict) -> None:
+    flash.error(request, f"Not done: {error.message}. Nothing was changed.")
+
+
+@operator_required
+@require_POST
+def queue_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+    if action not in QUEUE_SERVICES:
+        return HttpResponseBadRequest("unknown queue action")
+    queue = get_object_or_404(Queue, pk=pk)
+    try:
+        count = QUEUE_SERVICES[action](queue, request.user, Via.UI)
+    except ActionConflict as e:
+        _conflict(request, e)
+    else:
+        flash.success(
+            request, f"{QUEUE_ACTION_PAST[action]} queue {queue.name} ({count} messages waiting)."
+        )
+    return _back(request, reverse("ui:queues"))
+
+
+@operator_required
+@require_POST
+def queues_bulk(request: HttpRequest) -> HttpResponse:
+    action = request.POST.get("action", "")
+    if action not in QUEUE_SERVICES:
+        return HttpResponseBadRequest("unknown queue action")
+    ids = _ids(request.POST.getlist("ids"))
+    if not ids:
+        flash.warning(request, "Select at least one queue first.")
+        return _back(request, reverse("ui:queues"))
+    changed = queues_apply(action, Queue.objects.filter(id__in=ids), request.user, Via.UI, ids=ids)
+    _bulk_result(request, QueueAction(action).label, changed, len(ids), "queues")
+    return _back(request, reverse("ui:queues"))
+
+
+@operator_required
+@require_http_methods(["GET", "POST"])
+def queues_confirm(request: HttpRequest) -> HttpResponse:
+    """A queue action on every queue a filter selects: count first, then confirm."""
+    params = request.POST if request.method == "POST" else request.GET
+    action = params.get("action", "")
+    if action not in QUEUE_SERVICES:
+        return HttpResponseBadRequest("unknown queue action")
+    try:
+        f = QueueFilter.from_params(params)
+    except FilterError as e:
+        flash.error(request, str(e))
+        return redirect("ui:queues")
+    qs = f.queryset()
+    if request.method == "POST":
+        changed = queues_apply(action, qs, request.user, Via.UI, filter=f.as_params())
+        _bulk_result(request, QueueAction(action).label, changed, None, "queues")
+        return HttpResponseRedirect(reverse("ui:queues") + "?" + _query(f.as_params()))
+    return _page(
+        request,
+        "ui/confirm.html",
+        "queues",
+        kind="queues",
+        action=action,
+        action_label=QueueAction(action).label,
+        count=qs.count(),
+        params=f.as_params(),
+        cancel=reverse("ui:queues") + "?" + _query(f.as_params()),
+        post_url=reverse("ui:queues_confirm"),
+    )
+
+
+def _bulk_result(
+    request: HttpRequest, label: str, changed: int, selected: int | None, noun: str
+) -> None:
+    of = f" of {selected} selected" if selected is not None else " matching"
+    if changed:
+        flash.success(request, f"{label}: {changed}{of} {noun} changed.")
+    else:
+        flash.warning(
+            request,
+            f"{label}: none{of} {noun} changed (the action makes no sense in their state).",
+        )
+
+
+@operator_required
+@require_POST
+def message_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+    message = get_object_or_404(Message.objects.defer("data"), pk=pk)
+    fallback = reverse("ui:message", args=[message.pk])
+    try:
+        if action in MESSAGE_SERVICES:
+            MESSAGE_SERVICES[action](message, request.user, Via.UI)
+        elif action in ("remove", "remove_ndr"):
+            message_remove(message, request.user, Via.UI, ndr=action == "remove_ndr")
+        else:
+            return HttpResponseBadRequest("unknown message action")
+    except ActionConflict as e:
+        _conflict(request, e)
+    else:
+        flash.success(request, f"{MESSAGE_ACTION_PAST[action]} message {message.qid}.")
+    return _back(request, fallback)
+
+
+@operator_required
+@require_GET
+def message_export_view(request: HttpRequest, pk: int) -> HttpResponse:
+    message = get_object_or_404(Message, pk=pk)
+    data = message_export(message, actor=request.user, via=Via.UI)
+    response = HttpResponse(data, content_type="message/rfc822")
+    response["Content-Disposition"] = f'attachment; filename="{message.qid}.eml"'
+    return response
+
+
+def _zip_response(request: HttpRequest, qs, **audit: Any) -> HttpResponse | None:
+    out = io.BytesIO()
+    try:
+        messages_export_zip(qs, out, request.user, Via.UI, **audit)
+    except ActionTooLarge as e:
+        flash.error(request, str(e))
+        return None
+    response = HttpResponse(out.getvalue(), content_type="application/zip")
+    stamp = clock.now().strftime("%Y%m%d-%H%M%S")
+    response["Content-Disposition"] = f'attachment; filename="messages-{stamp}.zip"'
+    return response
+
+
+@operator_required
+@require_POST
+def messages_bulk(request: HttpRequest) -> HttpResponse:
+    """An action on the messages ticked in a list."""
+    action = request.POST.get("action", "")
+    fallback = reverse("ui:messages")
+    if action not in MESSAGE_BULK_ACTIONS and action != "export":
+        return HttpResponseBadRequest("unknown message action")
+    ids = _ids(request.POST.getlist("ids"))
+    if not ids:
+        flash.warning(request, "Select at least one message first.")
+        return _back(request, fallback)
+    qs = Message.objects.filter(id__in=ids)
+    if action == "export":
+        response = _zip_response(request, qs, ids=ids)
+        return response or _back(request, fallback)
+    service_action, ndr = MESSAGE_BULK_ACTIONS[action]
+    changed = messages_apply(service_action, qs, request.user, Via.UI, ndr=ndr, ids=ids)
+    _bulk_result(request, MESSAGE_ACTION_LABELS[action], changed, len(ids), "messages")
+    return _back(request, fallback)
+
+
+@operator_required
+@require_http_methods(["GET", "POST"])
+def messages_confirm(request: HttpRequest) -> HttpResponse:
+    """An action on every message a filter selects: first how many, then confirm."""
+    params = request.POST if request.method == "POST" else request.GET
+    action = params.get("action", "")
+    if action not in MESSAGE_BULK_ACTIONS and action != "export":
+        return HttpResponseBadRequest("unknown message action")
+    try:
+        f = MessageFilter.from_params(params)
+    except FilterError as e:
+        flash.error(request, str(e))
+        return redirect("ui:messages")
+    list_url = reverse("ui:messages") + "?" + _query(f.as_params())
+    qs = f.queryset()
+    if request.method == "POST":
+        if action == "export":
+            response = _zip_response(request, qs, filter=f.as_params())
+            return response or HttpResponseRedirect(list_url)
+        service_action, ndr = MESSAGE_BULK_ACTIONS[action]
+        changed = messages_apply(
+            service_action, qs, request.user, Via.UI, ndr=ndr, filter=f.as_params()
+        )
+        _bulk_result(request, MESSAGE_ACTION_LABELS[action], changed, None, "messages")
+        return HttpResponseRedirect(list_url)
+    if action == "export":
+        count = qs.count()
+    else:
+        count = messages_count(qs, MESSAGE_BULK_ACTIONS[action][0])
+    return _page(
+        request,
+        "ui/confirm.html",
+        "messages",
+        kind="messages",
+        action=action,
+        action_label=MESSAGE_ACTION_LABELS[action],
+        count=count,
+        params=f.as_params(),
+        cancel=list_url,
+        post_url=reverse("ui:messages_confirm"),
+    )

@@ -1,0 +1,203 @@
+"""The Queue Viewer in a real browser (Playwright driving Debian's Chromium).
+
+An operator logs in, finds a message by filter, suspends its queue and sees
+delivery stop, resumes it and sees the message delivered at the sink,
+exports a message and compares the bytes, removes a message with an NDR and
+finds the NDR at the sender's sink; a viewer sees no actions and gets 403.
+
+The engine runs in-process (tests/support/pipeline.drain) against the
+loopback DNS server and real SMTP sinks; the web app is pytest-django's
+live server. Set MAILRELAY_SCREENSHOTS=/some/dir to keep a 1280×800
+screenshot of every page the test visits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect
+
+from delivery.categorize import categorize_pending
+from queues import clock
+from queues.models import Message, MessageState, Queue, Recipient, RecipientState
+from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.services.counts import queues_recount
+from tests.support import browser as browser_support
+from tests.support.browser import login, make_user, off_loop
+from tests.support.pipeline import drain
+
+# The fixtures of tests/support/browser.py, used by name below.
+browser = browser_support.browser
+page = browser_support.page
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SHOTS = os.environ.get("MAILRELAY_SCREENSHOTS", "")
+
+
+def shot(page, name: str) -> None:
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(SHOTS) / f"{name}.png"))
+
+
+def accept(sender: str, rcpt: str, subject: str, text: str = "Hello.\r\n") -> Message:
+    data = f"From: {sender}\r\nTo: {rcpt}\r\nSubject: {subject}\r\n\r\n{text}".encode()
+    env = IncomingEnvelope(
+        mail_from=sender,
+        recipients=[IncomingRecipient(rcpt)],
+        client_address="127.0.0.1",
+        client_helo="client.test",
+    )
+    return message_accept(env, data)
+
+
+def engine_round() -> None:
+    """What the workers and the sweep would do: route, deliver what is due, recount."""
+    off_loop(drain)
+    queues_recount(clock.now())
+
+
+@pytest.fixture
+def relay(dns_settings, settings, smtp_port, sink_factory):
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
+    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=5)
+    dns_settings.a("example.net", "127.0.0.2")  # the recipients' MX
+    dns_settings.a("example.org", "127.0.0.3")  # the senders' MX: NDRs arrive here
+    dns_settings.a("stuck.example", "127.0.0.4")  # nothing listens: stays deferred
+    return {"recipients": sink_factory("127.0.0.2"), "senders": sink_factory("127.0.0.3")}
+
+
+@pytest.fixture
+def fast_polling(page):
+    page.add_init_script("window.mailrelayPollMs = 300;")
+    return page
+
+
+def test_an_operator_steers_the_queues_and_a_viewer_may_only_look(
+    relay, page, fast_polling, browser, live_server
+):
+    sink, senders = relay["recipients"], relay["senders"]
+    make_user("olga", "operator")
+    make_user("victor", "viewer")
+    report = accept("carol@example.org", "bob@example.net", "Quarterly report")
+    accept("dave@example.org", "erin@example.net", "Lunch?")
+    stuck = accept("alice@example.org", "frank@stuck.example", "Never arrives")
+    off_loop(categorize_pending)
+    queues_recount(clock.now())
+
+    # Log in, find the message by filter.
+    login(page, "olga")
+    expect(page.locator("#queues")).to_contain_text("example.net")
+    shot(page, "queues")
+    page.get_by_role("link", name="Messages", exact=True).click()
+    page.locator("#f-sender").fill("carol")
+    page.get_by_role("button", name="Filter").click()
+    rows = page.locator("#messages tbody tr")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text(report.qid)
+    expect(rows.first).to_contain_text("Quarterly report")
+    shot(page, "messages-filtered")
+
+    # Suspend its queue: delivery stops.
+    page.get_by_role("link", name="Queues", exact=True).click()
+    row = page.locator('tr[data-queue-name="example.net"]')
+    row.get_by_role("button", name="Suspend").click()
+    expect(page.get_by_role("status")).to_contain_text("Suspended queue example.net")
+    expect(row.locator("[data-live=status]")).to_have_text("Suspended")
+    engine_round()
+    assert not sink.messages
+    assert Recipient.objects.get(message=report).state == RecipientState.QUEUED
+
+    # Resume it: the message is delivered at the sink, and the page sees it by itself.
+    row.get_by_role("button", name="Resume").click()
+    expect(row.locator("[data-live=status]")).not_to_have_text("Suspended")
+    page.goto(f"/messages/{report.pk}/")
+    status = page.locator("#message-status")
+    expect(status).to_have_text("Ready")
+    engine_round()
+    assert sink.wait_for(2)
+    delivered = next(m for m in sink.messages if m.rcpt_tos == ["bob@example.net"])
+    assert delivered.data == bytes(Message.objects.get(pk=report.pk).data)
+    expect(status).to_have_text("Delivered")  # live update, no reload
+    shot(page, "message-detail")
+
+    # Export a message: exactly the stored bytes.
+    with page.expect_download() as download_info:
+        page.get_by_role("link", name="Export .eml").click()
+    download = download_info.value
+    assert download.suggested_filename == f"{report.qid}.eml"
+    assert Path(download.path()).read_bytes() == bytes(Message.objects.get(pk=report.pk).data)
+
+    # The stuck message waits after a failure; remove it with an NDR.
+    engine_round()
+    page.get_by_role("link", name="Deferrals", exact=True).click()
+    expect(page.locator("[data-deferral-queue]")).to_contain_text("stuck.example")
+    shot(page, "deferrals")
+    page.goto(f"/messages/{stuck.pk}/")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Remove with NDR").click()
+    expect(page.get_by_role("status")).to_contain_text(f"Removed with NDR message {stuck.qid}")
+    expect(page.locator("#message-status")).to_have_text("Failed")
+    engine_round()
+    assert senders.wait_for(1)
+    ndr = senders.messages[0]
+    assert ndr.mail_from == "<>" and ndr.rcpt_tos == ["alice@example.org"]  # the null sender
+    assert b"multipart/report" in ndr.data and b"frank@stuck.example" in ndr.data
+    assert Message.objects.get(pk=stuck.pk).state == MessageState.DONE
+
+    # The audit log shows what the operator did.
+    page.get_by_role("link", name="Audit log").click()
+    audit = page.locator("#audit")
+    for action in ("queue_suspend", "queue_resume", "message_export", "message_remove"):
+        expect(audit).to_contain_text(action)
+    shot(page, "audit")
+    page.goto("/queues/qshape/")
+    shot(page, "qshape")
+
+    # A viewer sees no buttons and gets 403 when posting anyway.
+    viewer_context = browser.new_context(
+        viewport={"width": 1280, "height": 800}, base_url=live_server.url
+    )
+    try:
+        viewer = viewer_context.new_page()
+        login(viewer, "victor")
+        expect(viewer.locator("#queues")).to_contain_text("example.net")
+        expect(viewer.get_by_role("button", name="Suspend")).to_have_count(0)
+        shot(viewer, "queues-viewer")
+        token = next(c["value"] for c in viewer_context.cookies() if c["name"] == "csrftoken")
+        queue = Queue.objects.get(name="example.net")
+        response = viewer.request.post(
+            f"/queues/{queue.pk}/suspend/", headers={"X-CSRFToken": token}, max_redirects=0
+        )
+        assert response.status == 403
+        assert "operator role" in response.text()
+        assert viewer.request.get(f"/messages/{report.pk}/export/").status == 403
+        assert not Queue.objects.get(pk=queue.pk).suspended
+    finally:
+        viewer_context.close()
+
+
+def test_a_filter_action_counts_first_and_acts_after_the_confirmation(relay, page):
+    make_user("olga", "operator")
+    for i in range(3):
+        accept(f"news{i}@bulk.example", f"u{i}@example.net", f"Offer {i}")
+    accept("friend@example.org", "me@example.net", "Personal")
+    off_loop(categorize_pending)
+
+    login(page, "olga")
+    page.goto("/messages/?sender=bulk.example")
+    expect(page.locator("#messages tbody tr")).to_have_count(3)
+    page.locator("#filter-action").select_option("suspend")
+    page.get_by_role("button", name="Review…").click()
+    expect(page.locator("#confirm-count")).to_have_text("3")
+    shot(page, "confirm")
+    assert not Message.objects.filter(suspended=True).exists()
+    page.get_by_role("button", name=re.compile(r"^Suspend 3 messages")).click()
+    expect(page.get_by_role("status")).to_contain_text("3 matching messages changed")
+    expect(page.locator("#messages [data-live=status]")).to_have_text(["Suspended"] * 3)
+    assert Message.objects.filter(suspended=True).count() == 3
