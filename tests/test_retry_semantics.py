@@ -323,3 +323,24 @@ def test_nextretry_shows_the_hosts_retry_data(relay, capsys):
     assert "Link [example.net]:" in out
     assert "T:example.net:127.0.0.2" in out
     assert "error=refused_A" in out
+
+
+def test_a_dead_letter_can_be_resubmitted_and_delivered(relay, sink_factory, settings):
+    from queues.services.actions import message_resubmit
+
+    relay.null_mx("nomail.example")
+    message = accept("u@nomail.example", notify="NEVER")
+    drain()
+    assert Message.objects.get(pk=message.pk).state == MessageState.DONE
+    # the domain gets a mail server after all; the operator resubmits the dead letter
+    relay.remove("nomail.example")
+    relay.a("nomail.example", "127.0.0.4")
+    sink = sink_factory("127.0.0.4")
+    clock.advance(timedelta(days=3))
+    assert message_resubmit(Message.objects.get(pk=message.pk), "ops", "cli") == 1
+    m = Message.objects.get(pk=message.pk)
+    assert m.state == MessageState.SUBMISSION
+    assert m.expires_at > clock.now() + timedelta(days=1)  # a fresh life
+    drain()
+    assert len(sink.messages) == 1
+    assert Recipient.objects.get(address="u@nomail.example").state == RecipientState.DELIVERED

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import IO, Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import models, transaction
-from django.db.models import Exists, OuterRef, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 
 from queues import clock
 from queues.models import (
@@ -211,6 +212,43 @@ def _resume(message_ids: Sequence[int], now: datetime) -> int:
     return changed
 
 
+def _dead_letters(message_ids: Iterable[int]) -> QuerySet[Recipient]:
+    """Failed or expired recipients of finished messages, kept in the Dead-letter queue."""
+    return Recipient.objects.filter(
+        message_id__in=list(message_ids),
+        message__state=MessageState.DONE,
+        queue__delivery_type=DeliveryType.DEAD_LETTER,
+        state__in=[RecipientState.FAILED, RecipientState.EXPIRED],
+    )
+
+
+def _revive_dead_letters(message_ids: Sequence[int], now: datetime) -> int:
+    """Give dead letters a new life: back to the categorizer with a fresh expiry (MSMQ)."""
+    rows = _dead_letters(message_ids)
+    revived = set(rows.values_list("message_id", flat=True))
+    if not revived:
+        return 0
+    rows.update(
+        queue=None,
+        state=RecipientState.SUBMITTED,
+        next_attempt_at=now,
+        final_at=None,
+        attempt_count=0,
+        first_failure_at=None,
+        delay_dsn_sent=False,
+        lease_until=None,
+    )
+    Message.objects.filter(id__in=revived).update(
+        state=MessageState.SUBMISSION,
+        next_attempt_at=now,
+        completed_at=None,
+        expires_at=now + settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT,
+        per_message_failures=0,
+        problem=False,
+    )
+    return len(revived)
+
+
 def _resubmit(message_ids: Sequence[int], now: datetime) -> int:
     changed = 0
     for chunk in _chunks(message_ids):
@@ -223,6 +261,7 @@ def _resubmit(message_ids: Sequence[int], now: datetime) -> int:
         )
         if _resubmit_recipients(moved, now):
             changed += len(before)
+        changed += _revive_dead_letters(chunk, now)
     if changed:
         _after_commit_categorizer()
     return changed
@@ -487,9 +526,15 @@ def message_resume(message: Message, actor: Actor, via: str) -> int:
 
 
 def message_resubmit(message: Message, actor: Actor, via: str) -> int:
-    """Send the message's waiting recipients back to the categorizer, due now."""
+    """Send the message's waiting recipients back to the categorizer, due now.
+
+    A finished message in the Dead-letter queue is resubmitted whole: its failed
+    and expired recipients go back to the categorizer with a fresh expiry.
+    """
 
     def check(m: Message) -> None:
+        if m.state == MessageState.DONE and _dead_letters([m.pk]).exists():
+            return  # a dead letter: resubmittable (MSMQ), see _revive_dead_letters
         _require_live(m, "resubmit")
         _require_not_categorizing(m, "resubmit")
         if not Recipient.objects.filter(message=m, state__in=WAITING_RECIPIENT_STATES).exists():
@@ -591,6 +636,12 @@ def messages_apply(
     with transaction.atomic():
         now = clock.now()
         candidates = queryset.exclude(state=MessageState.DONE)
+        if action == MessageAction.RESUBMIT:
+            # dead letters (finished messages kept in Dead-letter) may be resubmitted
+            in_dead_letter = Recipient.objects.filter(
+                message=OuterRef("pk"), queue__delivery_type=DeliveryType.DEAD_LETTER
+            )
+            candidates = queryset.filter(~Q(state=MessageState.DONE) | Exists(in_dead_letter))
         if action in (MessageAction.RESUBMIT, MessageAction.REMOVE):
             candidates = candidates.exclude(state=MessageState.CATEGORIZING)
         if action == MessageAction.REMOVE:
