@@ -17,6 +17,7 @@ from django.db.models import Exists, F, OuterRef
 from delivery import bell, retry
 from delivery.routing import Router
 from delivery.types import Route, RouteError
+from mailrelay import metrics
 from queues import clock, dsn
 from queues.models import (
     Attempt,
@@ -178,6 +179,7 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
                 )
             )
     Attempt.objects.bulk_create(failed)
+    metrics.record_delivery(failed)
     _notify_failures(failed_ids, now)
     Message.objects.filter(id__in=message_ids, state=MessageState.CATEGORIZING).update(
         state=MessageState.QUEUED, lease_owner="", lease_until=None, crash_count=0

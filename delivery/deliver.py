@@ -24,6 +24,7 @@ from delivery.types import (
     OutboundRecipient,
     RecipientResult,
 )
+from mailrelay import metrics
 from queues import clock, dsn
 from queues.models import (
     WAITING_RECIPIENT_STATES,
@@ -408,6 +409,7 @@ def _record(link: Link, batch: BatchResult) -> None:
         for queue_id, text in errors_by_queue.items():
             Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
         link.save(update_fields=LINK_UPDATE_FIELDS)
+    metrics.record_delivery(attempts, rows.values())
 
 
 RECIPIENT_UPDATE_FIELDS = [

@@ -2,6 +2,8 @@ from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
 from django.urls import include, path
 
+from delivery.metrics import metrics_view
+
 
 def healthz(request: HttpRequest) -> HttpResponse:
     return HttpResponse("ok\n", content_type="text/plain")
@@ -10,6 +12,7 @@ def healthz(request: HttpRequest) -> HttpResponse:
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", healthz),
+    path("metrics", metrics_view),
     path("api/", include("queues.api.urls")),
     path("", include("queues.ui.urls")),
 ]

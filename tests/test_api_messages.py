@@ -416,3 +416,32 @@ def test_an_error_group_finds_every_message_whose_error_normalises_to_it(client,
 
     assert re.search(error_pattern(group), text)
     assert ids(client, f"queue={queue.pk}&error_group={urllib.parse.quote(group)}") == [message.pk]
+
+
+def test_export_in_replay_format_feeds_the_replay_folder():
+    """The seed's path starts here: export in replay format (tests/test_pickup.py drops
+    such a file in the replay folder and sees it delivered)."""
+    from rest_framework.test import APIClient
+
+    from queues.replay import replay_format
+    from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+    from tests.support.operator_factories import make_user
+
+    original = message_accept(
+        IncomingEnvelope(
+            mail_from="a@example.org",
+            recipients=[IncomingRecipient("b@example.net", notify="FAILURE")],
+            envid="E1",
+        ),
+        b"Subject: replay me\r\n\r\nbody\r\n",
+    )
+    client = APIClient()
+    client.force_authenticate(make_user("operator", "op"))
+    response = client.get(f"/api/v1/messages/{original.pk}/export/?format=replay")
+    assert response.status_code == 200
+    assert response["Content-Type"] == "message/rfc822"
+    body = response.content
+    assert body.startswith(b"X-Sender: <a@example.org> ENVID=E1\r\n")
+    assert b"X-Receiver: <b@example.net> NOTIFY=FAILURE\r\n" in body
+    assert body.endswith(bytes(Message.objects.get(pk=original.pk).data))
+    assert body == replay_format(original, original.recipients.all())

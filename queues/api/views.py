@@ -79,6 +79,12 @@ class EmlRenderer(BaseRenderer):
         return data if isinstance(data, bytes) else json.dumps(data).encode()
 
 
+class ReplayRenderer(EmlRenderer):
+    """``?format=replay``: the message with Exchange's replay envelope (X-Sender/X-Receiver)."""
+
+    format = "replay"
+
+
 class ZipRenderer(EmlRenderer):
     media_type = "application/zip"
     format = "zip"
@@ -403,11 +409,17 @@ class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
         return self._act(actions.message_remove, ndr=body.validated_data["ndr"])
 
     @extend_schema(responses={(200, "message/rfc822"): OpenApiTypes.BINARY})
-    @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, EmlRenderer])
+    @action(
+        detail=True,
+        methods=["get"],
+        renderer_classes=[JSONRenderer, EmlRenderer, ReplayRenderer],
+    )
     def export(self, request: Request, pk=None) -> HttpResponse:
-        """The message exactly as stored (with our Received header), as ``<qid>.eml``."""
+        """The message exactly as stored (with our Received header), as ``<qid>.eml``;
+        ``?format=replay`` adds the X-Sender/X-Receiver envelope for the replay folder."""
         message = self.get_object()
-        data = actions.message_export(message, "eml", actor=request_actor(request), via=Via.API)
+        fmt = "replay" if request.query_params.get("format") == "replay" else "eml"
+        data = actions.message_export(message, fmt, actor=request_actor(request), via=Via.API)
         response = HttpResponse(data, content_type="message/rfc822")
         response["Content-Disposition"] = f'attachment; filename="{message.qid}.eml"'
         return response

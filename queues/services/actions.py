@@ -30,6 +30,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 
 from queues import clock
 from queues.models import (
+    FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
     AuditEntry,
     DeliveryType,
@@ -40,6 +41,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
+from queues.replay import replay_format
 from queues.services.messages import messages_finish
 from queues.signals import categorizer_work, link_work
 
@@ -576,12 +578,22 @@ def message_export(
 ) -> bytes:
     """The message exactly as stored: the received bytes behind our Received header.
 
-    With an ``actor`` the export is written to the audit log (message bodies
-    are personal data: who read which one is worth knowing).
+    ``fmt="replay"`` prefixes Exchange's replay envelope (X-Sender, one
+    X-Receiver per recipient still to deliver), so the file can be dropped in
+    the replay folder (suspend, export, copy into Replay). With an ``actor``
+    the export is written to the audit log (message bodies are personal data:
+    who read which one is worth knowing).
     """
-    if fmt != "eml":
-        raise ValueError(f"unknown export format {fmt!r} (only eml)")
-    data = message.data  # loaded now when the caller deferred it
+    if fmt not in ("eml", "replay"):
+        raise ValueError(f"unknown export format {fmt!r} (eml or replay)")
+    if fmt == "replay":
+        pending = message.recipients.exclude(state__in=FINAL_RECIPIENT_STATES).order_by("id")
+        try:
+            data = replay_format(message, pending)
+        except ValueError as exc:
+            raise ActionConflict(f"message {message.qid}: {exc}") from None
+    else:
+        data = message.data  # loaded now when the caller deferred it
     if actor is not None:
         _audit(actor, via or Via.API, "message_export", "message", ids=[message.pk], count=1)
     return bytes(data)

@@ -12,6 +12,7 @@ from datetime import datetime
 from django.conf import settings
 from django.db import transaction
 
+from mailrelay import metrics
 from queues import clock, dsn
 from queues.models import Message, MessageSource, Recipient
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
@@ -107,6 +108,7 @@ def notify(
         ),
         report,
     )
+    metrics.count_dsn(kind)
     transaction.on_commit(lambda: categorizer_work.send(sender=None))
     return created
 
