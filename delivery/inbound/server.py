@@ -7,6 +7,12 @@ DATA work lives in ``RelayHandler``.
 
 Hot path per message: one ``message_accept`` call (one transaction) in a
 database thread, the reply, then a coalesced ring of the categorizer.
+
+Back pressure: with a ``Monitor`` (delivery.backpressure), the server runs it
+while it listens, counts the messages it holds uncommitted (the version
+buckets), and asks it at every MAIL FROM whether to tarpit (an
+``asyncio.sleep`` in that session only) or refuse with ``452 4.3.1``.
+Connections, EHLO, RSET, NOOP and QUIT are never held back.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session, syntax
 from django.conf import settings
@@ -30,10 +36,15 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections
 
 from delivery import bell
+from delivery.backpressure.samplers import InFlight
 from delivery.inbound import policy, replies
+from mailrelay import metrics
 from queues.headers import header_block
 from queues.models import MessageSource
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+
+if TYPE_CHECKING:
+    from delivery.backpressure.monitor import Monitor
 
 log = logging.getLogger(__name__)
 
@@ -431,6 +442,18 @@ class InboundSMTP(SMTP):
         except policy.Refused as refused:
             await self.push(refused.reply)
             return
+        monitor = self.server.monitor
+        if monitor is not None:
+            decision = monitor.mail_from_decision(self.trusted)
+            if decision.refuse_reply is not None:
+                log.debug("back pressure: refused MAIL FROM of %s", self.client_ip)
+                await self.push(decision.refuse_reply)
+                return
+            if decision.delay_seconds > 0:
+                # Tarpit: only this session waits; aiosmtpd cancels the sleep
+                # if the client goes away, and stop() says 421 meanwhile.
+                await asyncio.sleep(decision.delay_seconds)
+                self._reset_timeout()
         envelope.started = True
         envelope.mail_from = sender.address if sender else ""
         envelope.params = params
@@ -599,7 +622,7 @@ class RelayHandler:
             log.exception("could not prepare a message from %s", smtp.client_ip)
             return replies.INTERNAL_ERROR
         try:
-            qid = await self.server.store(incoming, data)
+            qid = await metrics.timed_accept(self.server.store(incoming, data))
         except Exception:
             log.exception("could not store a message from %s", smtp.client_ip)
             return replies.STORE_FAILED
@@ -624,9 +647,18 @@ class RelayHandler:
 class InboundServer:
     """Listeners, database threads and the doorbell of one ingress process."""
 
-    def __init__(self, config: InboundConfig, *, db_threads: int = DEFAULT_DB_THREADS) -> None:
+    def __init__(
+        self,
+        config: InboundConfig,
+        *,
+        db_threads: int = DEFAULT_DB_THREADS,
+        monitor: Monitor | None = None,
+    ) -> None:
         self.config = config
         self.db_threads = db_threads
+        self.monitor = monitor
+        # Messages received and not yet committed: the monitor's version buckets.
+        self.uncommitted = monitor.uncommitted if monitor is not None else InFlight()
         self.sessions: set[InboundSMTP] = set()
         self.addresses: list[tuple[str, int]] = []
         self._listeners: list[asyncio.Server] = []
@@ -644,6 +676,8 @@ class InboundServer:
         self._bell = CoalescedBell(self.loop, self._executor)
         handler = RelayHandler(self)
         try:
+            if self.monitor is not None:
+                await self.monitor.start()  # judged from the first session on
             for host, port in addresses:
                 listener = await self.loop.create_server(
                     lambda: InboundSMTP(self, handler),
@@ -669,12 +703,14 @@ class InboundServer:
         """
         assert self.loop is not None and self._executor is not None
         future = self.loop.run_in_executor(self._executor, _store, envelope, data)
+        self.uncommitted.add()
         self._stores.add(future)
         future.add_done_callback(self._stored)
         return await asyncio.shield(future)
 
     def _stored(self, future: asyncio.Future) -> None:
         self._stores.discard(future)
+        self.uncommitted.done()
         if not future.cancelled() and future.exception() is None:
             assert self._bell is not None
             self._bell.request()
@@ -714,6 +750,8 @@ class InboundServer:
             await self.loop.run_in_executor(None, self._executor.shutdown)
         for listener in self._listeners:
             await listener.wait_closed()
+        if self.monitor is not None:
+            await self.monitor.stop()
 
 
 async def start_servers(
@@ -721,12 +759,15 @@ async def start_servers(
     config: InboundConfig | None = None,
     *,
     db_threads: int = DEFAULT_DB_THREADS,
+    monitor: Monitor | None = None,
 ) -> InboundServer:
     """Start listening on ``host:port`` strings (MAILRELAY_SMTP_LISTEN syntax).
 
     Settings are read now, so a test's settings override applies. ``stop()``
     the returned server to shut down.
     """
-    server = InboundServer(config or InboundConfig.from_settings(), db_threads=db_threads)
+    server = InboundServer(
+        config or InboundConfig.from_settings(), db_threads=db_threads, monitor=monitor
+    )
     await server.start([parse_listen(item) for item in listen])
     return server

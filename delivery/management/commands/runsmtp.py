@@ -6,8 +6,11 @@ import asyncio
 import signal
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
+from delivery.backpressure.config import BackPressureConfig
+from delivery.backpressure.monitor import Monitor
 from delivery.inbound.server import (
     DEFAULT_DB_THREADS,
     InboundConfig,
@@ -15,6 +18,7 @@ from delivery.inbound.server import (
     format_address,
     parse_listen,
 )
+from delivery.pickup.watcher import always_allowed, start_pickup
 
 
 class Command(BaseCommand):
@@ -42,24 +46,44 @@ class Command(BaseCommand):
             raise CommandError("MAILRELAY_SMTP_LISTEN names no address")
         if db_threads < 1:
             raise CommandError("--db-threads must be at least 1")
-        asyncio.run(self._serve(addresses, db_threads))
+        try:
+            bp_config = BackPressureConfig.from_settings()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from None
+        asyncio.run(self._serve(addresses, db_threads, bp_config))
 
-    async def _serve(self, addresses: list[tuple[str, int]], db_threads: int) -> None:
-        server = InboundServer(InboundConfig.from_settings(), db_threads=db_threads)
+    async def _serve(
+        self, addresses: list[tuple[str, int]], db_threads: int, bp_config: BackPressureConfig
+    ) -> None:
+        # The server starts the monitor before it listens and stops it last.
+        monitor = Monitor(bp_config) if bp_config.enabled else None
+        server = InboundServer(
+            InboundConfig.from_settings(), db_threads=db_threads, monitor=monitor
+        )
         try:
             bound = await server.start(addresses)
         except OSError as exc:
             raise CommandError(f"cannot listen: {exc}") from None
+        # Pickup and replay folders stop under back pressure and resume by themselves.
+        pickup = start_pickup(allowed=monitor.allows_submission if monitor else always_allowed)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         for host, port in bound:
             self.stdout.write(f"smtp: listening on {format_address(host, port)}")
+        if monitor is not None:
+            self.stdout.write(
+                f"smtp: back pressure monitored every {bp_config.interval:g}s "
+                f"as node {monitor.node}"
+            )
+        else:
+            self.stdout.write("smtp: back pressure off (MAILRELAY_BP_ENABLED=false)")
         self.stdout.flush()
         await stop.wait()
         self.stdout.write("smtp: stopping")
         self.stdout.flush()
+        await pickup.stop()
         await server.stop()
         self.stdout.write("smtp: stopped")
         self.stdout.flush()
