@@ -197,6 +197,11 @@ def test_make_run_starts_everything_on_the_embedded_default(tmp_path, sink_facto
             assert resp.status == 200
         with urllib.request.urlopen(f"http://127.0.0.1:{web}/admin/login/", timeout=10) as resp:
             assert resp.status == 200
+        # /metrics on the web process sums the counters of the ingress process too
+        with urllib.request.urlopen(f"http://127.0.0.1:{web}/metrics", timeout=10) as resp:
+            scraped = resp.read().decode()
+        assert 'mailrelay_messages_accepted_total{source="smtp"} 1.0' in scraped
+        assert "mailrelay_metrics_multiprocess 1.0" in scraped
         assert (tmp_path / "var" / "mailrelay.sqlite3").exists()
         assert (tmp_path / "var" / "admin-password.txt").exists()
     finally:

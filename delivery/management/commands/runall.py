@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,14 @@ class Command(BaseCommand):
                 beat_schedule,
             ],
         }
+        env = os.environ.copy()
+        if "PROMETHEUS_MULTIPROC_DIR" not in env:
+            # One folder for every process of this node, emptied at start, so /metrics
+            # sums the ingress, worker and web counters (docs/metrics.md).
+            metrics_dir = Path(settings.DATA_DIR) / "metrics"
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            metrics_dir.mkdir(parents=True)
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         procs: dict[str, subprocess.Popen] = {}
         stopping = False
 
@@ -118,9 +127,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, stop)
         base = Path(settings.BASE_DIR)
         for name, cmd in commands.items():
-            procs[name] = subprocess.Popen(
-                cmd, cwd=base, env=os.environ.copy(), start_new_session=True
-            )
+            procs[name] = subprocess.Popen(cmd, cwd=base, env=env, start_new_session=True)
         try:
             while not stopping:
                 for name, proc in procs.items():
