@@ -126,18 +126,21 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
     return messages
 
 
-def _no_route_results(messages: list[OutboundMessage], error: str) -> BatchResult:
+def _unattempted(
+    messages: list[OutboundMessage], outcome: str, enhanced: str, text: str
+) -> BatchResult:
+    """One result per recipient for a round decided without connecting."""
     now = clock.now()
     return BatchResult(
         results=[
             RecipientResult(
                 recipient_id=r.id,
                 message_id=m.id,
-                outcome=AttemptOutcome.DEFERRED,
+                outcome=outcome,
                 phase=AttemptPhase.CONNECT,
                 code=None,
-                enhanced="4.4.4",
-                text=error,
+                enhanced=enhanced,
+                text=text,
                 started_at=now,
                 scope="connection",
             )
@@ -145,7 +148,7 @@ def _no_route_results(messages: list[OutboundMessage], error: str) -> BatchResul
             for r in m.recipients
         ],
         connected=False,
-        connection_error=error,
+        connection_error=text,
     )
 
 
@@ -479,30 +482,6 @@ def _usable_targets(targets: list, domain: str, now: datetime) -> tuple[list, st
     return (ready or targets), "try"
 
 
-def _timed_out_results(messages: list[OutboundMessage]) -> BatchResult:
-    now = clock.now()
-    text = "retry time not reached for any host after a long failure period"
-    return BatchResult(
-        results=[
-            RecipientResult(
-                recipient_id=r.id,
-                message_id=m.id,
-                outcome=AttemptOutcome.FAILED,
-                phase=AttemptPhase.CONNECT,
-                code=None,
-                enhanced="4.4.7",
-                text=text,
-                started_at=now,
-                scope="connection",
-            )
-            for m in messages
-            for r in m.recipients
-        ],
-        connected=False,
-        connection_error=text,
-    )
-
-
 def deliver_round(link: Link, config: ClientConfig) -> int:
     """Claim, send and record one round for ``link``. Returns recipients handled."""
     limit = config.max_connections * config.max_messages_per_connection
@@ -515,9 +494,16 @@ def deliver_round(link: Link, config: ClientConfig) -> int:
     domain = messages[0].recipients[0].address.rpartition("@")[2] if messages else link.name
     targets, verdict = _usable_targets(targets, domain, clock.now())
     if verdict == "bounce":
-        batch = _timed_out_results(messages)
+        batch = _unattempted(
+            messages,
+            AttemptOutcome.FAILED,
+            "4.4.7",
+            "retry time not reached for any host after a long failure period",
+        )
     elif not targets:
-        batch = _no_route_results(messages, error or "no address for the next hop")
+        batch = _unattempted(
+            messages, AttemptOutcome.DEFERRED, "4.4.4", error or "no address for the next hop"
+        )
     else:
         batch = asyncio.run(deliver(targets, messages, config))
     _record(link, batch)
