@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -28,6 +30,7 @@ from queues.models import (
     EventLevel,
     Message,
     MessageState,
+    Queue,
     Recipient,
     RecipientState,
 )
@@ -76,7 +79,7 @@ def _claim(owner: str, limit: int) -> list[int]:
     return ids
 
 
-def _park_poison(message_ids: list[int]) -> None:
+def park_poison(message_ids: list[int]) -> None:
     now = clock.now()
     poison = special_queue(DeliveryType.POISON, now)
     with transaction.atomic():
@@ -100,9 +103,20 @@ def _park_poison(message_ids: list[int]) -> None:
         )
 
 
-def _route_all(domains: set[str], router: Router) -> dict[str, _Placement]:
+# A batch renews its claim this often while it routes (DNS can be slow):
+# slowness must not look like a crash to the sweep and the poison guard.
+LEASE_RENEWAL = timedelta(minutes=1)
+
+
+def _route_all(
+    domains: set[str], router: Router, renew: Callable[[], None] = lambda: None
+) -> dict[str, _Placement]:
     placements: dict[str, _Placement] = {}
+    renewed = time.monotonic()
     for domain in domains:
+        if time.monotonic() - renewed > LEASE_RENEWAL.total_seconds():
+            renew()
+            renewed = time.monotonic()
         try:
             placements[domain] = _Placement(route=router.route(domain))
         except RouteError as exc:
@@ -113,6 +127,13 @@ def _route_all(domains: set[str], router: Router) -> dict[str, _Placement]:
 def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int]:
     """Write the decisions; return the ids of links that received work."""
     now = clock.now()
+    specials: dict[str, Queue] = {}
+
+    def special(delivery_type: str) -> Queue:
+        if delivery_type not in specials:
+            specials[delivery_type] = special_queue(delivery_type, now)
+        return specials[delivery_type]
+
     links: set[int] = set()
     failed: list[Attempt] = []
     failed_ids: list[int] = []
@@ -143,7 +164,7 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
         if error.permanent:
             failed_ids.extend(rid for rid, _ in pairs)
             rows.update(
-                queue=special_queue(DeliveryType.DEAD_LETTER, now),
+                queue=special(DeliveryType.DEAD_LETTER),
                 state=RecipientState.FAILED,
                 final_at=now,
                 last_attempt_at=now,
@@ -153,7 +174,7 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
                 attempt_count=F("attempt_count") + 1,
             )
         else:
-            unreachable = special_queue(DeliveryType.UNREACHABLE, now)
+            unreachable = special(DeliveryType.UNREACHABLE)
             rows.update(
                 queue=unreachable,
                 state=RecipientState.DEFERRED,
@@ -227,17 +248,17 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
         Message.objects.filter(id__in=ids, crash_count__gt=threshold).values_list("id", flat=True)
     )
     if poisoned:
-        _park_poison(sorted(poisoned))
+        park_poison(sorted(poisoned))
         ids = [i for i in ids if i not in poisoned]
     links: set[int] = set()
     try:
-        links = _process(ids)
+        links = _process(ids, owner)
     except Exception:
         log.exception("categorizing a batch of %d messages failed; retrying one by one", len(ids))
         # One bad message must not take its batch-mates down with it.
         for mid in ids:
             try:
-                links |= _process([mid])
+                links |= _process([mid], owner)
             except Exception:
                 log.exception("categorizing message %s failed", mid)
                 _release_after_crash(mid)
@@ -246,20 +267,37 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     return len(ids) + len(poisoned)
 
 
-def _process(ids: list[int]) -> set[int]:
+def _renew(ids: list[int], owner: str) -> None:
+    Message.objects.filter(id__in=ids, lease_owner=owner).update(
+        lease_until=clock.now() + CLAIM_LEASE
+    )
+
+
+def _process(ids: list[int], owner: str) -> set[int]:
     recipients = list(
         Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED).values_list(
-            "id", "domain"
+            "id", "domain", "message_id"
         )
     )
-    by_domain: dict[str, list[int]] = defaultdict(list)
-    for rid, domain in recipients:
-        by_domain[domain].append(rid)
-    placements = _route_all(set(by_domain), Router.from_settings())
-    for domain, rids in by_domain.items():
-        placements[domain].recipient_ids = rids
+    placements = _route_all(
+        {domain for _, domain, _ in recipients},
+        Router.from_settings(),
+        lambda: _renew(ids, owner),
+    )
     with transaction.atomic():
-        return _apply(placements, ids)
+        # Only messages still ours: had the claim expired, another categorizer
+        # owns them now and will place them itself.
+        mine = set(
+            Message.objects.select_for_update()
+            .filter(id__in=ids, state=MessageState.CATEGORIZING, lease_owner=owner)
+            .values_list("id", flat=True)
+        )
+        if not mine:
+            return set()
+        for rid, domain, mid in recipients:
+            if mid in mine:
+                placements[domain].recipient_ids.append(rid)
+        return _apply(placements, sorted(mine))
 
 
 def _release_after_crash(message_id: int) -> None:

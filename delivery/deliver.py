@@ -82,8 +82,15 @@ def link_has_due_work(link_id: int, now: datetime | None = None) -> bool:
     return _due_recipients(link_id, now).exists()
 
 
-def _claim(link_id: int, limit: int) -> list[int]:
+def _claim(link_id: int, limit: int) -> tuple[list[int], datetime]:
+    """Lease up to ``limit`` due recipients; returns their ids and the lease's end.
+
+    The lease value identifies this claim: results are written only to rows
+    still holding it, so a round that outlived its lease (the sweep gave the
+    rows to another delivery) cannot overwrite newer states.
+    """
     now = clock.now()
+    lease = now + settings.MAILRELAY_DELIVERY_LEASE
     with transaction.atomic():
         ids = list(
             _due_recipients(link_id, now)
@@ -93,10 +100,9 @@ def _claim(link_id: int, limit: int) -> list[int]:
         )
         if ids:
             Recipient.objects.filter(id__in=ids).update(
-                state=RecipientState.ACTIVE,
-                lease_until=now + settings.MAILRELAY_DELIVERY_LEASE,
+                state=RecipientState.ACTIVE, lease_until=lease
             )
-    return ids
+    return ids, lease
 
 
 def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
@@ -228,7 +234,7 @@ def _host_hints(link: Link, batch: BatchResult, domain: str, now: datetime) -> l
                 next_try=h.next_try,
                 expired=h.expired,
                 error=h.error,
-                text=h.text[:2000],
+                text=_clean(h.text)[:2000],
             )
         )
     return saved
@@ -295,7 +301,12 @@ def _defer(
         )
 
 
-def _record(link: Link, batch: BatchResult) -> None:
+def _clean(text: str) -> str:
+    """PostgreSQL text cannot hold NUL; a peer's reply may."""
+    return text.replace("\x00", "\ufffd")
+
+
+def _record(link: Link, batch: BatchResult, lease: datetime | None = None) -> None:
     """Write one round's outcome: attempts, recipient states, notifications, link state.
 
     Steps:
@@ -310,9 +321,17 @@ def _record(link: Link, batch: BatchResult) -> None:
     """
     now = clock.now()
     results = batch.results
+    for res in results:
+        res.text, res.host = _clean(res.text), _clean(res.host)
+    batch.connection_error = _clean(batch.connection_error)
+    claimed = Recipient.objects.filter(
+        id__in=[x.recipient_id for x in results], state=RecipientState.ACTIVE
+    )
+    if lease is not None:
+        claimed = claimed.filter(lease_until=lease)
     rows = {
         r.id: r
-        for r in Recipient.objects.filter(id__in=[x.recipient_id for x in results]).only(
+        for r in claimed.only(
             "id",
             "message_id",
             "address",
@@ -392,6 +411,16 @@ def _record(link: Link, batch: BatchResult) -> None:
         else:
             row.state = RecipientState.DEFERRED
     with transaction.atomic():
+        # Lock what we write and drop rows whose claim ended meanwhile (the
+        # sweep took them back): their newer state wins; the attempts stay.
+        kept = set(
+            claimed.select_for_update().filter(id__in=list(rows)).values_list("id", flat=True)
+        )
+        if len(kept) != len(rows):
+            rows = {rid: row for rid, row in rows.items() if rid in kept}
+            for per_message in (rnd.failed, rnd.relayed):
+                for mid in list(per_message):
+                    per_message[mid] = [r for r in per_message[mid] if r.id in kept]
         Attempt.objects.bulk_create(attempts)
         Recipient.objects.bulk_update(list(rows.values()), RECIPIENT_UPDATE_FIELDS)
         hints_save(host_hints + rnd.address_hints)
@@ -485,7 +514,7 @@ def _usable_targets(targets: list, domain: str, now: datetime) -> tuple[list, st
 def deliver_round(link: Link, config: ClientConfig) -> int:
     """Claim, send and record one round for ``link``. Returns recipients handled."""
     limit = config.max_connections * config.max_messages_per_connection
-    ids = _claim(link.pk, limit)
+    ids, lease = _claim(link.pk, limit)
     if not ids:
         return 0
     messages = _load_batch(ids)
@@ -506,8 +535,39 @@ def deliver_round(link: Link, config: ClientConfig) -> int:
         )
     else:
         batch = asyncio.run(deliver(targets, messages, config))
-    _record(link, batch)
+    try:
+        _record(link, batch, lease)
+    except Exception:
+        # Never retry the same batch in a tight loop: park it for a while, and
+        # a message that keeps breaking the recording goes to Poison.
+        log.exception("recording a delivery round of link %s failed", link.pk)
+        _record_crash(ids, lease)
     return len(ids)
+
+
+def _record_crash(recipient_ids: list[int], lease: datetime) -> None:
+    from delivery.categorize import park_poison
+
+    now = clock.now()
+    with transaction.atomic():
+        rows = Recipient.objects.filter(
+            id__in=recipient_ids, state=RecipientState.ACTIVE, lease_until=lease
+        )
+        message_ids = set(rows.values_list("message_id", flat=True))
+        rows.update(
+            state=RecipientState.DEFERRED,
+            lease_until=None,
+            next_attempt_at=now + settings.MAILRELAY_MESSAGE_RETRY_INTERVAL,
+            last_text="internal error while recording the delivery; will retry",
+        )
+        Message.objects.filter(id__in=message_ids).update(crash_count=F("crash_count") + 1)
+        poisoned = list(
+            Message.objects.filter(
+                id__in=message_ids, crash_count__gt=settings.MAILRELAY_POISON_THRESHOLD
+            ).values_list("id", flat=True)
+        )
+    if poisoned:
+        park_poison(poisoned)
 
 
 def deliver_link(link_id: int, owner: str | None = None) -> int:

@@ -88,6 +88,16 @@ def _resubmit_due_unreachable(report: SweepReport) -> None:
     report.unreachable_resubmitted = len(ids)
 
 
+def _release_stranded() -> None:
+    """A queued message with a recipient back in Submission (a resubmit that raced
+    the categorizer) goes back to Submission too, instead of waiting for expiry."""
+    # Driven from the small side: the partial index of submitted recipients.
+    submitted = Recipient.objects.filter(state=RecipientState.SUBMITTED).values("message_id")
+    Message.objects.filter(state=MessageState.QUEUED, id__in=submitted).update(
+        state=MessageState.SUBMISSION, next_attempt_at=clock.now()
+    )
+
+
 def _links_with_due_work() -> list[int]:
     now = clock.now()
     due = Recipient.objects.filter(
@@ -199,20 +209,13 @@ def _auto_resubmit(report: SweepReport) -> None:
     )
     for link in links:
         with transaction.atomic():
-            ids = list(
-                Recipient.objects.filter(
-                    queue__link=link, state__in=WAITING_RECIPIENT_STATES
-                ).values_list("id", flat=True)
-            )
-            message_ids = set(
-                Recipient.objects.filter(id__in=ids).values_list("message_id", flat=True)
-            )
-            Recipient.objects.filter(id__in=ids).update(
-                queue=None, state=RecipientState.SUBMITTED, next_attempt_at=now
-            )
-            Message.objects.filter(id__in=message_ids, state=MessageState.QUEUED).update(
-                state=MessageState.SUBMISSION, next_attempt_at=now
-            )
+            # Set-based, re-checked by the UPDATE itself: rows claimed by a delivery
+            # meanwhile (ACTIVE) are left alone.
+            waiting = Recipient.objects.filter(queue__link=link, state__in=WAITING_RECIPIENT_STATES)
+            Message.objects.filter(
+                id__in=waiting.values("message_id"), state=MessageState.QUEUED
+            ).update(state=MessageState.SUBMISSION, next_attempt_at=now)
+            moved = waiting.update(queue=None, state=RecipientState.SUBMITTED, next_attempt_at=now)
             # The idle window starts again, so this happens once per window.
             Link.objects.filter(pk=link.pk).update(first_failure_at=now)
             Event.objects.create(
@@ -221,10 +224,10 @@ def _auto_resubmit(report: SweepReport) -> None:
                 kind="auto_resubmit",
                 text=f"link {link.name} delivered nothing for "
                 f"{settings.MAILRELAY_MAX_IDLE_TIME_BEFORE_RESUBMIT}; "
-                f"{len(ids)} recipients resubmitted to the categorizer",
-                data={"link": link.pk, "recipients": len(ids)},
+                f"{moved} recipients resubmitted to the categorizer",
+                data={"link": link.pk, "recipients": moved},
             )
-        report.resubmitted += len(ids)
+        report.resubmitted += moved
 
 
 def sweep() -> SweepReport:
@@ -246,6 +249,7 @@ def sweep() -> SweepReport:
     _delay_notifications(report)
     _auto_resubmit(report)
     _resubmit_due_unreachable(report)
+    _release_stranded()
     if Message.objects.filter(
         state=MessageState.SUBMISSION, next_attempt_at__lte=clock.now(), suspended=False
     ).exists():

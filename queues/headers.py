@@ -62,4 +62,7 @@ def inspect_headers(data: bytes) -> HeaderInfo:
             subject = _decode_words(value)[:998]
         elif name == "received":
             received += 1
-    return HeaderInfo(message_id, subject, received, len(block))
+    # Copied into text columns: PostgreSQL text cannot hold NUL.
+    return HeaderInfo(
+        message_id.replace("\x00", ""), subject.replace("\x00", ""), received, len(block)
+    )

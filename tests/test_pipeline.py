@@ -237,7 +237,8 @@ def test_the_sweep_takes_back_recipients_of_a_dead_delivery(relay, sink_factory,
     while drain_categorize_only():
         pass
     link = Link.objects.get()
-    assert _claim(link.pk, 10)  # a worker claims it and dies before sending
+    claimed, _ = _claim(link.pk, 10)  # a worker claims it and dies before sending
+    assert claimed
     assert rcpt("u@example.net").state == RecipientState.ACTIVE
     drain()
     assert not sink.messages  # the claim still holds
@@ -299,3 +300,100 @@ def test_a_message_that_makes_the_categorizer_raise_ends_in_poison_alone(
     assert bad.suspended
     assert rcpt("u@crash.example").queue.delivery_type == DeliveryType.POISON
     assert bad.events.filter(kind="poison").count() == 1
+
+
+def test_a_round_that_outlived_its_lease_does_not_overwrite_newer_results(
+    relay, sink_factory, settings
+):
+    from delivery.deliver import _record
+    from delivery.types import BatchResult, RecipientResult
+
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    accept("u@example.net")
+    drain_categorize_only()
+    link = Link.objects.get()
+    ids, old_lease = _claim(link.pk, 10)  # a slow round starts...
+    clock.advance(settings.MAILRELAY_DELIVERY_LEASE + timedelta(seconds=1))
+    sweep()  # ...its lease runs out, the sweep takes the recipient back...
+    drain()  # ...and another delivery delivers it
+    assert len(sink.messages) == 1
+    assert rcpt("u@example.net").state == RecipientState.DELIVERED
+    late = RecipientResult(
+        recipient_id=ids[0],
+        message_id=rcpt("u@example.net").message_id,
+        outcome="deferred",
+        phase="data",
+        code=451,
+        enhanced="4.3.0",
+        text="late\x00reply",
+    )
+    _record(Link.objects.get(), BatchResult([late], connected=True), old_lease)
+    r = rcpt("u@example.net")
+    assert r.state == RecipientState.DELIVERED  # the newer result stands
+    assert Message.objects.get(pk=r.message_id).state == MessageState.DONE
+
+
+def test_a_reply_with_nul_is_recorded_not_crashed_on(relay, sink_factory):
+    from delivery.deliver import _record
+    from delivery.types import BatchResult, RecipientResult
+
+    relay.a("example.net", "127.0.0.2")
+    accept("u@example.net")
+    drain_categorize_only()
+    ids, lease = _claim(Link.objects.get().pk, 10)
+    odd = RecipientResult(
+        recipient_id=ids[0],
+        message_id=rcpt("u@example.net").message_id,
+        outcome="deferred",
+        phase="rcpt",
+        code=450,
+        enhanced="4.2.1",
+        text="busy\x00now",
+        host="mx\x00.example.net",
+    )
+    _record(Link.objects.get(), BatchResult([odd], connected=True), lease)
+    r = rcpt("u@example.net")
+    assert r.state == RecipientState.DEFERRED
+    assert r.last_text == "busy\ufffdnow"
+
+
+def test_a_round_whose_recording_crashes_is_parked_not_looped(
+    relay, sink_factory, settings, monkeypatch
+):
+    from delivery import deliver as deliver_module
+
+    settings.MAILRELAY_POISON_THRESHOLD = 1
+    relay.a("example.net", "127.0.0.2")
+    sink_factory("127.0.0.2")
+    message = accept("u@example.net")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in recording")
+
+    monkeypatch.setattr(deliver_module, "_record", broken)
+    drain()
+    r = rcpt("u@example.net")
+    assert r.state == RecipientState.DEFERRED
+    assert r.next_attempt_at >= clock.now() + settings.MAILRELAY_MESSAGE_RETRY_INTERVAL - timedelta(
+        seconds=5
+    )
+    drain()  # not due again: no tight loop
+    assert Message.objects.get(pk=message.pk).crash_count == 1
+    clock.advance(settings.MAILRELAY_MESSAGE_RETRY_INTERVAL + timedelta(seconds=1))
+    drain()  # crashes a second time: over the threshold, parked in Poison
+    m = Message.objects.get(pk=message.pk)
+    assert m.suspended
+    assert rcpt("u@example.net").queue.delivery_type == DeliveryType.POISON
+
+
+def test_nul_in_subject_and_odd_helo_are_stored_not_refused_forever():
+    env = IncomingEnvelope(
+        mail_from="a@example.org",
+        recipients=[IncomingRecipient("u@example.net")],
+        client_helo="bad\x00helo\udcff",
+    )
+    message = message_accept(env, b"Subject: =?utf-8?q?a=00b?= x\x00y\r\n\r\nbody\r\n")
+    stored = Message.objects.get(pk=message.pk)
+    assert "\x00" not in stored.subject
+    assert stored.client_helo == "bad?helo?"

@@ -51,12 +51,19 @@ def new_qid() -> str:
     return "".join(reversed(chars))
 
 
+def printable(text: str) -> str:
+    """Client-supplied text made safe for a text column and a header: undecodable
+    bytes (surrogate escapes), NUL and other control characters replaced."""
+    clean = text.encode("utf-8", "replace").decode("utf-8")
+    return "".join(c if c.isprintable() else "?" for c in clean)
+
+
 def recipient_domain(address: str) -> str:
     return address.rpartition("@")[2].rstrip(".").lower()
 
 
 def _received_header(env: IncomingEnvelope, qid: str, when: str) -> bytes:
-    helo = env.client_helo or "unknown"
+    helo = printable(env.client_helo) or "unknown"
     peer = f"{env.client_name or 'unknown'} [{env.client_address or 'unknown'}]"
     line = (
         f"Received: from {helo} ({peer})\r\n"
@@ -101,7 +108,7 @@ def message_accept(env: IncomingEnvelope, data: bytes) -> Message:
         envid=env.envid,
         declared_size=env.declared_size,
         client_address=env.client_address,
-        client_helo=env.client_helo[:255],
+        client_helo=printable(env.client_helo)[:255],
         data=stored,
         size=len(stored),
         message_id=message_id,

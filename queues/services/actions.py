@@ -285,6 +285,8 @@ def _remove(
                 ],
             )
             .exclude(message__state=MessageState.CATEGORIZING)
+            # locked: a delivery claim cannot take these rows between read and update
+            .select_for_update(of=("self",))
             .values_list("message_id", "id")
         )
         if not rows:
