@@ -590,7 +590,8 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
                 if not count:
                     break
                 handled += count
-                link_acquire(link_id, owner)  # renew the lease
+                if not link_acquire(link_id, owner):  # renew; lost it: another task delivers
+                    break
         finally:
             link_release(link_id, owner)
         # Work that arrived while we held the lease rang a bell we swallowed:
