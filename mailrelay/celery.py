@@ -3,12 +3,22 @@
 import os
 
 from celery import Celery
+from celery.signals import task_prerun
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mailrelay.settings")
 
 app = Celery("mailrelay")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@task_prerun.connect
+def _drop_broken_connections(**kwargs: object) -> None:
+    # Connections persist across tasks (CELERY_DB_REUSE_MAX); one that broke
+    # (database restarted) is closed here so the task opens a fresh one.
+    from django.db import close_old_connections
+
+    close_old_connections()
 
 
 @app.on_after_finalize.connect

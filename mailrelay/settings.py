@@ -72,7 +72,11 @@ TEMPLATES = [
 # --- Database: PostgreSQL from DATABASE_URL, else the embedded SQLite default.
 DATABASE_URL = env_str("DATABASE_URL", "")
 if DATABASE_URL:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=None)}
+    # Persistent connections, checked before reuse: a worker or ingress thread
+    # keeps one connection instead of opening one per task.
+    DATABASES = {
+        "default": dj_database_url.parse(DATABASE_URL, conn_max_age=None, conn_health_checks=True)
+    }
 else:
     DATABASES = {
         "default": {
@@ -148,6 +152,9 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Celery's Django fixup closes the database connection after every task unless
+# told to reuse it; a broken connection is still replaced (mailrelay/celery.py).
+CELERY_DB_REUSE_MAX = 100_000
 
 # --- mailrelay (every setting is documented in README.md)
 MAILRELAY_HOSTNAME = env_str("MAILRELAY_HOSTNAME", "") or socket.getfqdn()
