@@ -28,6 +28,7 @@ from queues.models import (
     DeliveryType,
     Event,
     EventLevel,
+    Link,
     Message,
     MessageState,
     Queue,
@@ -262,7 +263,12 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
             except Exception:
                 log.exception("categorizing message %s failed", mid)
                 _release_after_crash(mid)
-    for link_id in sorted(links):
+    # A link whose delivery task is running needs no new task: that task looks
+    # for due work again after it lets go of the link (delivery.deliver_link).
+    busy = set(
+        Link.objects.filter(id__in=links, lease_until__gt=clock.now()).values_list("id", flat=True)
+    )
+    for link_id in sorted(links - busy):
         bell.ring_link(link_id)
     return len(ids) + len(poisoned)
 

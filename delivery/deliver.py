@@ -26,6 +26,7 @@ from delivery.types import (
 )
 from mailrelay import metrics
 from queues import clock, dsn
+from queues.bulk import bulk_update_rows
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     Attempt,
@@ -422,7 +423,7 @@ def _record(link: Link, batch: BatchResult, lease: datetime | None = None) -> No
                 for mid in list(per_message):
                     per_message[mid] = [r for r in per_message[mid] if r.id in kept]
         Attempt.objects.bulk_create(attempts)
-        Recipient.objects.bulk_update(list(rows.values()), RECIPIENT_UPDATE_FIELDS)
+        bulk_update_rows(list(rows.values()), RECIPIENT_UPDATE_FIELDS)
         hints_save(host_hints + rnd.address_hints)
         hints_clear(rnd.cleared_hints)
         _notify_round(rnd)

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DB_THREADS = 8
 MAX_RECEIVED_HEADERS = 100  # more is a routing loop (RFC 5321 6.3)
-RING_INTERVAL = 0.02  # seconds: at most one categorizer ring per interval
+RING_INTERVAL = 0.1  # seconds; one categorizer task per ring: batches, not a task per message
 COMMAND_LINE_LIMIT = 512  # RFC 5321 4.5.3.1.4
 # MAIL/RCPT lines grow with their parameters: ORCPT alone may be 500 characters
 # (RFC 3461 4.2), ENVID 100; aiosmtpd's line reader caps every line at 1001.
