@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from email.utils import format_datetime
 
 from django.conf import settings
-from django.db import transaction
 
 from queues import clock
+from queues.bulk import insert_with_children
 from queues.headers import inspect_headers
 from queues.models import Message, MessageSource, MessageState, Recipient, RecipientState
 
@@ -117,20 +117,17 @@ def message_accept(env: IncomingEnvelope, data: bytes) -> Message:
         expires_at=now + settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT,
         next_attempt_at=now,
     )
-    with transaction.atomic():
-        message.save(force_insert=True)
-        Recipient.objects.bulk_create(
-            [
-                Recipient(
-                    message=message,
-                    address=rcpt.address,
-                    domain=recipient_domain(rcpt.address),
-                    orcpt=rcpt.orcpt,
-                    notify=rcpt.notify,
-                    state=RecipientState.SUBMITTED,
-                    next_attempt_at=now,
-                )
-                for rcpt in env.recipients
-            ]
+    recipients = [
+        Recipient(
+            address=rcpt.address,
+            domain=recipient_domain(rcpt.address),
+            orcpt=rcpt.orcpt,
+            notify=rcpt.notify,
+            state=RecipientState.SUBMITTED,
+            next_attempt_at=now,
         )
+        for rcpt in env.recipients
+    ]
+    # One statement (one transaction) for the message and all its recipients.
+    insert_with_children(message, recipients, "message")
     return message
