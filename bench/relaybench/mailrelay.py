@@ -1,0 +1,344 @@
+"""mailrelay under test: a fresh database, ``runsmtp`` and a Celery worker.
+
+Set-up: ``DROP DATABASE mailrelay_bench`` / ``CREATE DATABASE``, ``manage.py
+migrate``, Redis database 13 flushed. Processes (as ``make run`` starts them,
+see delivery/management/commands/runall.py; each in its own process group,
+logs in the run's temporary directory):
+
+- ``python manage.py runsmtp`` with MAILRELAY_SMTP_LISTEN=127.0.0.1:<port>;
+- ``celery -A mailrelay worker --concurrency N`` (and ``celery beat`` only
+  with ``--beat``),
+
+all with MAILRELAY_SMART_HOST=[127.0.0.1]:<sink port>,
+MAILRELAY_HOSTNAME=bench.local, DATABASE_URL and CELERY_BROKER_URL.
+
+Between phases the message tables are emptied (TRUNCATE; queues and links
+stay) so every phase starts from the same state; ``verify`` reads the
+database directly with psycopg.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+import redis
+
+from .procmon import postgres_labels, process_group_labels
+from .util import Procs, wait_port
+
+DB_NAME = "mailrelay_bench"
+PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+DB_URL = f"postgres://postgres@127.0.0.1:5432/{DB_NAME}"
+REDIS_URL = "redis://127.0.0.1:6379/13"
+MESSAGE_TABLES = ("queues_attempt", "queues_event", "queues_recipient", "queues_message")
+PG_STATS = (
+    "sessions",
+    "xact_commit",
+    "xact_rollback",
+    "tup_inserted",
+    "tup_updated",
+    "tup_deleted",
+)
+_TASK_DONE = re.compile(
+    rb"Task delivery\.tasks\.(\w+)\[[^\]]*\] succeeded in ([0-9.]+)s: "
+    rb"(\S+)"
+)
+
+
+@dataclass
+class DbCheck:
+    messages: int
+    not_done: int
+    recipients: int
+    delivered: int
+    not_delivered_states: dict[str, int]
+    attempts_delivered: int
+    attempts_other: int
+    # seconds from received_at to the recipient's final_at (in-relay delay)
+    delay_p50: float | None
+    delay_p99: float | None
+    received_first: float | None  # epoch seconds
+    received_last: float | None
+    final_last: float | None
+
+    # activity during the phase (pg_stat_database deltas, Celery task log)
+    pg: dict[str, int] = field(default_factory=dict)
+    tasks: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # n, items, secs
+
+    def ok(self, expected: int) -> bool:
+        return (
+            self.messages == expected
+            and self.not_done == 0
+            and self.recipients == expected
+            and self.delivered == expected
+            and self.attempts_delivered == expected
+        )
+
+
+class Mailrelay:
+    def __init__(
+        self,
+        repo: Path,
+        procs: Procs,
+        run_dir: Path,
+        port: int,
+        sink_port: int,
+        worker_concurrency: int,
+        beat: bool,
+    ) -> None:
+        self.repo = repo
+        self.procs = procs
+        self.run_dir = run_dir
+        self.port = port
+        self.sink_port = sink_port
+        self.worker_concurrency = worker_concurrency
+        self.beat = beat
+        self.smtp: subprocess.Popen[bytes] | None = None
+        self.worker: subprocess.Popen[bytes] | None = None
+        self.beat_proc: subprocess.Popen[bytes] | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self.python = Path(sys.executable)
+        self.bindir = self.python.parent
+        self.env = {
+            **os.environ,
+            "DATABASE_URL": DB_URL,
+            "CELERY_BROKER_URL": REDIS_URL,
+            "MAILRELAY_SMTP_LISTEN": f"127.0.0.1:{port}",
+            "MAILRELAY_SMART_HOST": f"[127.0.0.1]:{sink_port}",
+            "MAILRELAY_HOSTNAME": "bench.local",
+            "MAILRELAY_DATA_DIR": str(run_dir / "var"),
+            "DJANGO_SETTINGS_MODULE": "mailrelay.settings",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    # -- set-up -----------------------------------------------------------------------
+    def prepare_database(self) -> None:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+            conn.execute(f"CREATE DATABASE {DB_NAME}")
+        out = subprocess.run(
+            [str(self.python), "manage.py", "migrate", "--noinput", "-v", "0"],
+            cwd=self.repo,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"manage.py migrate failed:\n{out.stdout}\n{out.stderr}")
+        r = redis.Redis.from_url(REDIS_URL)
+        try:
+            r.flushdb()
+        finally:
+            r.close()
+
+    def start(self) -> None:
+        logs = self.run_dir
+        self.smtp = self.procs.spawn(
+            "runsmtp",
+            [str(self.python), "manage.py", "runsmtp"],
+            cwd=self.repo,
+            env=self.env,
+            stdout=logs / "runsmtp.log",
+            stderr=subprocess.STDOUT,
+            grace=35,
+        )
+        celery = str(self.bindir / "celery")
+        worker_log = logs / "worker.log"
+        self.worker = self.procs.spawn(
+            "celery worker",
+            [
+                celery,
+                "-A",
+                "mailrelay",
+                "worker",
+                "--loglevel",
+                "INFO",
+                "--concurrency",
+                str(self.worker_concurrency),
+                "-n",
+                "bench@%h",
+            ],
+            cwd=self.repo,
+            env=self.env,
+            grace=20,
+            stdout=worker_log,
+            stderr=subprocess.STDOUT,
+        )
+        if self.beat:
+            self.beat_proc = self.procs.spawn(
+                "celery beat",
+                [
+                    celery,
+                    "-A",
+                    "mailrelay",
+                    "beat",
+                    "--loglevel",
+                    "INFO",
+                    "--schedule",
+                    str(self.run_dir / "celerybeat-schedule"),
+                ],
+                cwd=self.repo,
+                env=self.env,
+                grace=10,
+                stdout=logs / "beat.log",
+                stderr=subprocess.STDOUT,
+            )
+        wait_port(self.port, 60, self.smtp)
+        deadline = time.monotonic() + 60
+        while b" ready." not in worker_log.read_bytes():
+            if self.worker.poll() is not None:
+                raise RuntimeError(
+                    f"the celery worker exited with {self.worker.returncode}; see {worker_log}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the celery worker is not ready after 60 s; see {worker_log}")
+            time.sleep(0.1)
+
+    def db(self) -> psycopg.Connection[Any]:
+        """The harness's one connection to the bench database (autocommit)."""
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(
+                DB_URL.replace("postgres://", "postgresql://"), autocommit=True
+            )
+        return self._conn
+
+    def stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        for proc in (self.beat_proc, self.worker, self.smtp):
+            if proc is not None:
+                self.procs.stop(proc)
+
+    def alive(self) -> list[str]:
+        dead = []
+        for name, proc in (("runsmtp", self.smtp), ("celery worker", self.worker)):
+            if proc is None or proc.poll() is not None:
+                dead.append(name)
+        return dead
+
+    # -- between phases ---------------------------------------------------------------
+    def reset_messages(self) -> None:
+        self.db().execute(f"TRUNCATE {', '.join(MESSAGE_TABLES)} RESTART IDENTITY CASCADE")
+
+    def wait_all_done(self, expected: int, timeout: float) -> DbCheck:
+        deadline = time.monotonic() + timeout
+        while True:
+            check = self.verify()
+            if check.ok(expected) or time.monotonic() > deadline:
+                return check
+            time.sleep(0.2)
+
+    def verify(self) -> DbCheck:
+        conn = self.db()
+        with conn.transaction():
+            one = conn.execute(
+                "SELECT count(*), count(*) FILTER (WHERE state <> 'done'),"
+                " extract(epoch FROM min(received_at)), extract(epoch FROM max(received_at))"
+                " FROM queues_message"
+            ).fetchone()
+            assert one is not None
+            states = dict(
+                conn.execute(
+                    "SELECT state, count(*) FROM queues_recipient GROUP BY state"
+                ).fetchall()
+            )
+            att = dict(
+                conn.execute(
+                    "SELECT outcome, count(*) FROM queues_attempt GROUP BY outcome"
+                ).fetchall()
+            )
+            delays = conn.execute(
+                "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d),"
+                " percentile_cont(0.99) WITHIN GROUP (ORDER BY d),"
+                " extract(epoch FROM max(f))"
+                " FROM (SELECT extract(epoch FROM r.final_at - m.received_at) AS d,"
+                "        r.final_at AS f"
+                "       FROM queues_recipient r JOIN queues_message m ON m.id = r.message_id"
+                "       WHERE r.final_at IS NOT NULL) x"
+            ).fetchone()
+            assert delays is not None
+        delivered = states.get("delivered", 0)
+        return DbCheck(
+            messages=one[0],
+            not_done=one[1],
+            recipients=sum(states.values()),
+            delivered=delivered,
+            not_delivered_states={k: v for k, v in states.items() if k != "delivered"},
+            attempts_delivered=att.get("delivered", 0),
+            attempts_other=sum(v for k, v in att.items() if k != "delivered"),
+            delay_p50=float(delays[0]) if delays[0] is not None else None,
+            delay_p99=float(delays[1]) if delays[1] is not None else None,
+            received_first=float(one[2]) if one[2] is not None else None,
+            received_last=float(one[3]) if one[3] is not None else None,
+            final_last=float(delays[2]) if delays[2] is not None else None,
+        )
+
+    # -- activity counters ------------------------------------------------------------
+    def pg_stats(self) -> dict[str, int]:
+        """pg_stat_database counters of the bench database (read from the admin database).
+
+        PostgreSQL 15 backends flush their counters at most once a second and
+        when they exit: read these a little after the work is done.
+        """
+        cols = ", ".join(PG_STATS)
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            row = conn.execute(
+                f"SELECT {cols} FROM pg_stat_database WHERE datname = %s", (DB_NAME,)
+            ).fetchone()
+        return dict(zip(PG_STATS, (int(v or 0) for v in row), strict=True)) if row else {}
+
+    def worker_log_offset(self) -> int:
+        try:
+            return (self.run_dir / "worker.log").stat().st_size
+        except OSError:
+            return 0
+
+    def tasks_since(self, offset: int) -> dict[str, tuple[int, int, float]]:
+        """Celery tasks that finished since ``offset`` of worker.log: name -> (n, items, s)."""
+        with open(self.run_dir / "worker.log", "rb") as fh:
+            fh.seek(offset)
+            text = fh.read()
+        out: dict[str, tuple[int, int, float]] = {}
+        for name, secs, result in _TASK_DONE.findall(text):
+            n, items, total = out.get(name.decode(), (0, 0, 0.0))
+            m = re.match(rb"\d+", result)
+            out[name.decode()] = (n + 1, items + (int(m.group()) if m else 0), total + float(secs))
+        return out
+
+    # -- monitoring -------------------------------------------------------------------
+    def labels(self, postmaster: psutil.Process | None) -> dict[int, str]:
+        out: dict[int, str] = {}
+        out.update(process_group_labels(self.smtp.pid if self.smtp else None, "mailrelay:runsmtp"))
+        if self.worker is not None:
+            out[self.worker.pid] = "mailrelay:celery worker (main)"
+            try:
+                for child in psutil.Process(self.worker.pid).children(recursive=True):
+                    out[child.pid] = "mailrelay:celery worker (pool children)"
+            except psutil.Error:
+                pass
+        out.update(
+            process_group_labels(
+                self.beat_proc.pid if self.beat_proc else None, "mailrelay:celery beat"
+            )
+        )
+        out.update(postgres_labels(postmaster, DB_NAME, "mailrelay"))
+        return out
+
+    def pids(self) -> dict[str, int]:
+        out = {}
+        if self.smtp is not None:
+            out["runsmtp"] = self.smtp.pid
+        if self.worker is not None:
+            out["worker"] = self.worker.pid
+        return out
