@@ -156,6 +156,10 @@ class Message(models.Model):
             ),
             # purge of completed messages
             models.Index(fields=["completed_at"], name="message_done", condition=Q(state="done")),
+            # sweep: messages past their expiry that are not finished (delivery.sweep._expire)
+            models.Index(
+                fields=["expires_at"], name="message_live_expiry", condition=~Q(state="done")
+            ),
             # Queue Viewer message list: ORDER BY received_at DESC, id DESC with a keyset
             # (received_at, id) < (cursor); the age filters (older/newer than)
             models.Index(fields=["received_at", "id"], name="message_received"),
