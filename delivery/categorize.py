@@ -211,7 +211,10 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
     Message.objects.filter(id__in=message_ids, state=MessageState.QUEUED).filter(
         Exists(Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.SUBMITTED))
     ).update(state=MessageState.SUBMISSION, next_attempt_at=now)
-    messages_finish(message_ids, now)
+    if failed:
+        # Only a message with a routing failure here can have become finished:
+        # routed recipients wait in a queue (no query per batch otherwise).
+        messages_finish({a.message_id for a in failed}, now)
     return links
 
 
