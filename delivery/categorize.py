@@ -5,18 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef
+from django.db.models import F
 
 from delivery import bell, retry
+from delivery.ownership import Claim
 from delivery.routing import Router
 from delivery.types import Route, RouteError
 from mailrelay import metrics
@@ -41,9 +39,6 @@ from queues.services.routing import queue_for_route, special_queue
 
 log = logging.getLogger(__name__)
 
-# A categorizer that dies holding a claim loses it after this long.
-CLAIM_LEASE = timedelta(minutes=5)
-
 
 def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -59,25 +54,10 @@ class _Placement:
 
 
 def _claim(owner: str, limit: int) -> list[int]:
-    """Take up to ``limit`` due Submission messages, counting the try (poison guard)."""
-    now = clock.now()
-    with transaction.atomic():
-        ids = list(
-            Message.objects.select_for_update(skip_locked=True)
-            .filter(state=MessageState.SUBMISSION, next_attempt_at__lte=now, suspended=False)
-            .order_by("next_attempt_at", "id")
-            .values_list("id", flat=True)[:limit]
-        )
-        if ids:
-            # Counted before processing and cleared after: a message that keeps
-            # killing its worker is parked in Poison instead of looping.
-            Message.objects.filter(id__in=ids).update(
-                state=MessageState.CATEGORIZING,
-                lease_owner=owner,
-                lease_until=now + CLAIM_LEASE,
-                crash_count=F("crash_count") + 1,
-            )
-    return ids
+    """Take up to ``limit`` due Submission messages (one, when it needs isolating)."""
+    return Message.objects.claim_for_categorizer(
+        owner, limit, clock.now(), settings.MAILRELAY_DELIVERY_LEASE
+    )
 
 
 def park_poison(message_ids: list[int]) -> None:
@@ -104,20 +84,15 @@ def park_poison(message_ids: list[int]) -> None:
         )
 
 
-# A batch renews its claim this often while it routes (DNS can be slow):
-# slowness must not look like a crash to the sweep and the poison guard.
-LEASE_RENEWAL = timedelta(minutes=1)
-
-
 def _route_all(
-    domains: set[str], router: Router, renew: Callable[[], None] = lambda: None
+    domains: set[str], router: Router, claim: Claim | None = None
 ) -> dict[str, _Placement]:
     placements: dict[str, _Placement] = {}
-    renewed = time.monotonic()
     for domain in domains:
-        if time.monotonic() - renewed > LEASE_RENEWAL.total_seconds():
-            renew()
-            renewed = time.monotonic()
+        # The batch renews its claim while it routes (DNS can be slow): slowness
+        # must not look like a crash to the reclaim and the poison guard.
+        if claim is not None:
+            claim.renew_if_due()
         try:
             placements[domain] = _Placement(route=router.route(domain))
         except RouteError as exc:
@@ -203,14 +178,10 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
     Attempt.objects.bulk_create(failed)
     metrics.record_delivery(failed)
     _notify_failures(failed_ids, now)
-    Message.objects.filter(id__in=message_ids, state=MessageState.CATEGORIZING).update(
-        state=MessageState.QUEUED, lease_owner="", lease_until=None, crash_count=0
-    )
+    Message.objects.filter(id__in=message_ids).categorized()
     # A recipient sent back to Submission while we worked (sweep, operator)
     # must not be stranded: its message goes back to Submission too.
-    Message.objects.filter(id__in=message_ids, state=MessageState.QUEUED).filter(
-        Exists(Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.SUBMITTED))
-    ).update(state=MessageState.SUBMISSION, next_attempt_at=now)
+    Message.objects.filter(id__in=message_ids).with_submitted_recipients().back_to_submission(now)
     if failed:
         # Only a message with a routing failure here can have become finished:
         # routed recipients wait in a queue (no query per batch otherwise).
@@ -225,7 +196,9 @@ def _notify_failures(recipient_ids: list[int], now) -> None:
     by_message: dict[int, list[Recipient]] = defaultdict(list)
     for r in Recipient.objects.filter(id__in=recipient_ids):
         by_message[r.message_id].append(r)
-    for message in Message.objects.filter(id__in=list(by_message)).exclude(mail_from=""):
+    originals = Message.objects.filter(id__in=list(by_message)).exclude(mail_from="")
+    # Without bodies: notify reads the one original it quotes, when it quotes it.
+    for message in originals.defer("data").iterator():
         notify(dsn.FAILURE, message, by_message[message.pk], now=now)
 
 
@@ -233,8 +206,9 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     """Route one batch of submitted messages. Returns how many messages it took.
 
     Steps:
-    1. claim a batch of due Submission messages (row locks, SKIP LOCKED), counting
-       the try in crash_count; messages already at the poison threshold go to Poison;
+    1. claim a batch of due Submission messages (row locks, SKIP LOCKED); a message
+       from a batch that crashed is claimed alone, with the try counted in
+       crash_count; one past the poison threshold goes to Poison;
     2. load their recipients that await routing;
     3. route each distinct domain once (transport map, smart host, DNS);
     4. in one transaction: place recipients in their delivery queue, fail the
@@ -258,14 +232,18 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     try:
         links = _process(ids, owner)
     except Exception:
-        log.exception("categorizing a batch of %d messages failed; retrying one by one", len(ids))
+        if len(ids) == 1:  # claimed alone: the claim counted this try already
+            log.exception("categorizing message %s failed", ids[0])
+            _release_after_crash(ids[0], count=False)
+        else:
+            log.exception("categorizing %d messages failed; retrying one by one", len(ids))
         # One bad message must not take its batch-mates down with it.
-        for mid in ids:
+        for mid in ids if len(ids) > 1 else []:
             try:
                 links |= _process([mid], owner)
             except Exception:
                 log.exception("categorizing message %s failed", mid)
-                _release_after_crash(mid)
+                _release_after_crash(mid, count=True)
     # A link whose delivery task is running needs no new task: that task looks
     # for due work again after it lets go of the link (delivery.deliver_link).
     busy = set(
@@ -274,12 +252,6 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     for link_id in sorted(links - busy):
         bell.ring_link(link_id)
     return len(ids) + len(poisoned)
-
-
-def _renew(ids: list[int], owner: str) -> None:
-    Message.objects.filter(id__in=ids, lease_owner=owner).update(
-        lease_until=clock.now() + CLAIM_LEASE
-    )
 
 
 def _process(ids: list[int], owner: str) -> set[int]:
@@ -291,14 +263,15 @@ def _process(ids: list[int], owner: str) -> set[int]:
     placements = _route_all(
         {domain for _, domain, _ in recipients},
         Router.from_settings(),
-        lambda: _renew(ids, owner),
+        Claim(f"categorizer batch {owner}", lambda until: Message.objects.renew(owner, until) > 0),
     )
     with transaction.atomic():
         # Only messages still ours: had the claim expired, another categorizer
         # owns them now and will place them itself.
         mine = set(
             Message.objects.select_for_update()
-            .filter(id__in=ids, state=MessageState.CATEGORIZING, lease_owner=owner)
+            .filter(id__in=ids)
+            .owned_by(owner)
             .values_list("id", flat=True)
         )
         if not mine:
@@ -309,12 +282,9 @@ def _process(ids: list[int], owner: str) -> set[int]:
         return _apply(placements, sorted(mine))
 
 
-def _release_after_crash(message_id: int) -> None:
-    """Give a message that raised back to Submission, keeping its crash count."""
-    now = clock.now()
-    Message.objects.filter(id=message_id, state=MessageState.CATEGORIZING).update(
-        state=MessageState.SUBMISSION,
-        lease_owner="",
-        lease_until=None,
-        next_attempt_at=retry.categorizer_retry_at(now),
+def _release_after_crash(message_id: int, *, count: bool) -> None:
+    """Give a message that raised back to Submission, to be tried alone; ``count``
+    adds the crash to its count (a claim of one counted it already)."""
+    Message.objects.filter(id=message_id).crashed(
+        retry.categorizer_retry_at(clock.now()), count=count
     )

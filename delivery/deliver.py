@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import queue
+import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import F, Q
+from django.db import InterfaceError, OperationalError, transaction
+from django.db.models import F
 
 from delivery import retry
 from delivery import retryrules as rr
-from delivery.categorize import worker_id
+from delivery.categorize import park_poison, worker_id
+from delivery.ownership import Claim, drop_connection
 from delivery.routing import order_targets
 from delivery.smtp_client import ClientConfig, deliver
 from delivery.types import (
@@ -28,7 +34,6 @@ from mailrelay import metrics
 from queues import clock, dsn
 from queues.bulk import bulk_update_rows
 from queues.models import (
-    WAITING_RECIPIENT_STATES,
     Attempt,
     AttemptOutcome,
     AttemptPhase,
@@ -50,29 +55,12 @@ log = logging.getLogger(__name__)
 
 
 def link_acquire(link_id: int, owner: str) -> bool:
-    """Become the one delivery task of this link (conditional update, one row or none)."""
-    now = clock.now()
-    return (
-        Link.objects.filter(pk=link_id)
-        .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now) | Q(lease_owner=owner))
-        # A round may last as long as a recipient claim; the lease is renewed per round.
-        .update(lease_owner=owner, lease_until=now + settings.MAILRELAY_DELIVERY_LEASE)
-        == 1
-    )
+    """Become (or stay) the one delivery task of this link, for one lease."""
+    return Link.objects.acquire(link_id, owner, clock.now(), settings.MAILRELAY_DELIVERY_LEASE)
 
 
 def link_release(link_id: int, owner: str) -> None:
-    Link.objects.filter(pk=link_id, lease_owner=owner).update(lease_owner="", lease_until=None)
-
-
-def _due_recipients(link_id: int, now: datetime):
-    return Recipient.objects.filter(
-        queue__link_id=link_id,
-        queue__suspended=False,
-        state__in=WAITING_RECIPIENT_STATES,
-        next_attempt_at__lte=now,
-        message__suspended=False,
-    )
+    Link.objects.release(link_id, owner)
 
 
 def link_has_due_work(link_id: int, now: datetime | None = None) -> bool:
@@ -80,33 +68,25 @@ def link_has_due_work(link_id: int, now: datetime | None = None) -> bool:
     link = Link.objects.filter(pk=link_id).values("next_retry_at").first()
     if link is None or (link["next_retry_at"] and link["next_retry_at"] > now):
         return False
-    return _due_recipients(link_id, now).exists()
+    return Recipient.objects.due_on_link(link_id, now).exists()
 
 
-def _claim(link_id: int, limit: int) -> tuple[list[int], datetime]:
-    """Lease up to ``limit`` due recipients; returns their ids and the lease's end.
-
-    The lease value identifies this claim: results are written only to rows
-    still holding it, so a round that outlived its lease (the sweep gave the
-    rows to another delivery) cannot overwrite newer states.
-    """
-    now = clock.now()
-    lease = now + settings.MAILRELAY_DELIVERY_LEASE
-    with transaction.atomic():
-        ids = list(
-            _due_recipients(link_id, now)
-            .select_for_update(skip_locked=True, of=("self",))
-            .order_by("next_attempt_at", "message_id", "id")
-            .values_list("id", flat=True)[:limit]
-        )
-        if ids:
-            Recipient.objects.filter(id__in=ids).update(
-                state=RecipientState.ACTIVE, lease_until=lease
-            )
-    return ids, lease
+def _claim(link_id: int, owner: str, limit: int) -> list[int]:
+    """Lease up to ``limit`` due recipients (and MAILRELAY_DELIVERY_ROUND_BYTES of
+    messages) to the round ``owner``; its results are written only to rows that
+    still carry that owner (queues.transitions)."""
+    return Recipient.objects.claim_on_link(
+        link_id,
+        owner,
+        clock.now(),
+        settings.MAILRELAY_DELIVERY_LEASE,
+        limit=limit,
+        max_bytes=settings.MAILRELAY_DELIVERY_ROUND_BYTES,
+    )
 
 
 def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
+    """The round's envelopes; bodies are read one at a time when sent (_read_body)."""
     rows = Recipient.objects.filter(id__in=recipient_ids).order_by("message_id", "id")
     by_message: dict[int, list[OutboundRecipient]] = defaultdict(list)
     for rid, mid, address, orcpt, notify_ in rows.values_list(
@@ -115,13 +95,13 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
         by_message[mid].append(OutboundRecipient(rid, address, orcpt, notify_))
     messages = []
     for m in Message.objects.filter(id__in=list(by_message)).values(
-        "id", "mail_from", "data", "body_type", "smtputf8", "ret", "envid"
+        "id", "mail_from", "body_type", "smtputf8", "ret", "envid"
     ):
         messages.append(
             OutboundMessage(
                 id=m["id"],
                 mail_from=m["mail_from"],
-                data=bytes(m["data"]),
+                data=None,
                 recipients=by_message[m["id"]],
                 body_type=m["body_type"],
                 smtputf8=m["smtputf8"],
@@ -131,6 +111,68 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
         )
     messages.sort(key=lambda m: m.id)
     return messages
+
+
+def _read_body(message_id: int) -> bytes:
+    """One message's stored bytes, on the owner's connection (replaced once if broken)."""
+    try:
+        data = Message.objects.filter(pk=message_id).values_list("data", flat=True).first()
+    except (OperationalError, InterfaceError):
+        drop_connection()
+        data = Message.objects.filter(pk=message_id).values_list("data", flat=True).first()
+    if data is None:
+        raise LookupError(f"message {message_id} is no longer stored")
+    return bytes(data)
+
+
+def _exchange(
+    targets: list, messages: list[OutboundMessage], config: ClientConfig, claim: Claim
+) -> BatchResult:
+    """Run the SMTP exchange of one round in an event-loop thread of its own,
+    while this thread (the owner, holding the database connection) renews the
+    claim and reads each body when the client is about to send it.
+
+    However long the peers take, the claim stays renewed while this process
+    lives; the client stops before its next message once the claim is lost.
+    """
+    requests: queue.SimpleQueue[tuple[int, concurrent.futures.Future] | None] = queue.SimpleQueue()
+    outcome: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+
+    async def load_body(message: OutboundMessage) -> bytes:
+        future: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        requests.put((message.id, future))
+        return await asyncio.wrap_future(future)
+
+    def run() -> None:
+        try:
+            outcome.set_result(
+                asyncio.run(
+                    deliver(targets, messages, config, still_owner=claim.held, load_body=load_body)
+                )
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the owner thread
+            outcome.set_exception(exc)
+        finally:
+            requests.put(None)
+
+    loop_thread = threading.Thread(target=run, name="smtp-round", daemon=True)
+    loop_thread.start()
+    while True:
+        try:
+            item = requests.get(timeout=max(0.01, claim.seconds_to_renewal()))
+        except queue.Empty:
+            claim.renew_if_due()
+            continue
+        if item is None:
+            break
+        message_id, future = item
+        try:
+            future.set_result(_read_body(message_id))
+        except Exception as exc:  # noqa: BLE001 - the client defers that message
+            future.set_exception(exc)
+        claim.renew_if_due()
+    loop_thread.join()
+    return outcome.result()
 
 
 def _unattempted(
@@ -161,145 +203,30 @@ def _unattempted(
 
 @dataclass
 class _Round:
-    """What one round decided, collected before it is written in one transaction."""
+    """What one round decided (by ``_decide``, without the database), written by
+    ``_write`` in one transaction."""
 
     now: datetime
+    rows: dict[int, Recipient]  # the claimed rows, with their new state set
+    link: retry.LinkVerdict
+    attempts: list[Attempt] = field(default_factory=list)
     failed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
-    timed_out: set[int] = field(default_factory=set)  # recipient ids failed by a retry cutoff
     relayed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
     message_failures: set[int] = field(default_factory=set)
-    address_hints: list[RetryHint] = field(default_factory=list)
+    hints: list[rr.RetryHint] = field(default_factory=list)
     cleared_hints: list[str] = field(default_factory=list)
+    delivered_queues: set[int] = field(default_factory=set)
+    errors_by_queue: dict[int, str] = field(default_factory=dict)
 
 
 def _via_mx(link: Link) -> bool:
     return any(not h.get("literal", False) for h in link.hosts)
 
 
-def _link_failed(link: Link, batch: BatchResult, domain: str, now: datetime) -> bool:
-    """Every host failed: put the link in Retry. Returns True when the retry
-    rule's final cutoff has passed (the recipients time out)."""
-    last = batch.host_failures[-1] if batch.host_failures else None
-    error = retry.error_name(
-        last.phase if last else "connect",
-        last.code if last else None,
-        last.error if last else "",
-        _via_mx(link),
+def _link_retry(link: Link) -> retry.LinkRetry:
+    return retry.LinkRetry(
+        link.failure_count, link.first_failure_at, link.next_retry_at, link.last_error_at
     )
-    first_failed = link.first_failure_at or now
-    decision = retry.decide(
-        address=f"postmaster@{domain}",
-        host=(last.host if last and last.host else None) or domain,
-        error=error,
-        first_failed=first_failed,
-        last_tried=link.last_error_at or now,
-        next_try=link.next_retry_at,
-        now=now,
-    )
-    link.failure_count += 1
-    link.state = LinkState.RETRY
-    link.first_failure_at = first_failed
-    link.next_retry_at = decision.at
-    link.last_error = batch.connection_error
-    link.last_error_at = now
-    return decision.timed_out
-
-
-def _host_hints(link: Link, batch: BatchResult, domain: str, now: datetime) -> list[RetryHint]:
-    """Exim's per-host retry data for every host that could not be used."""
-    keys = {rr.host_key(f.host, f.ip): f for f in batch.host_failures if f.host}
-    if not keys:
-        return []
-    existing = hints_load(keys)
-    active = retry.rules()
-    saved = []
-    for key, f in keys.items():
-        error = retry.error_name(f.phase, f.code, f.error, _via_mx(link))
-        rule = active.find(f"postmaster@{domain}", host=f.host, error=error or None)
-        old = existing.get(key)
-        outcome = rr.record_failure(
-            _as_hint(old),
-            key=key,
-            rule=rule,
-            now=now,
-            error=error,
-            text=f.text,
-            options=active.options,
-        )
-        h = outcome.hint
-        saved.append(
-            RetryHint(
-                key=key,
-                first_failed=h.first_failed,
-                last_tried=h.last_tried,
-                next_try=h.next_try,
-                expired=h.expired,
-                error=h.error,
-                text=_clean(h.text)[:2000],
-            )
-        )
-    return saved
-
-
-def _as_hint(row: RetryHint | None) -> rr.RetryHint | None:
-    if row is None:
-        return None
-    return rr.RetryHint(
-        row.key, row.first_failed, row.last_tried, row.next_try, row.expired, row.error, row.text
-    )
-
-
-def _defer(
-    row: Recipient,
-    res: RecipientResult,
-    link: Link,
-    batch: BatchResult,
-    link_timed_out: bool,
-    sender: str,
-    rnd: _Round,
-) -> None:
-    """Decide a deferred recipient's next try (or its timeout)."""
-    now = rnd.now
-    first_failed = row.first_failure_at or now
-    row.first_failure_at = first_failed
-    if res.scope == "connection" and not batch.connected:
-        if link_timed_out:
-            rnd.timed_out.add(row.id)
-            return
-        row.next_attempt_at = link.next_retry_at or now
-        return
-    host_error = (
-        ("lost_connection" if res.code is None else "") if res.scope == "connection" else ""
-    )
-    error = retry.error_name(res.phase, res.code, host_error, _via_mx(link))
-    decision = retry.decide(
-        address=row.address,
-        error=error,
-        host=(res.host or None) if host_error else None,
-        sender=sender,
-        first_failed=first_failed,
-        last_tried=row.last_attempt_at or now,
-        next_try=row.next_attempt_at,
-        now=now,
-    )
-    if decision.timed_out:
-        rnd.timed_out.add(row.id)
-        return
-    row.next_attempt_at = decision.at
-    if res.scope == "message":
-        rnd.message_failures.add(row.message_id)
-    if res.phase == "rcpt":
-        rnd.address_hints.append(
-            RetryHint(
-                key=rr.address_key(row.address, sender),
-                first_failed=first_failed,
-                last_tried=now,
-                next_try=decision.at,
-                expired=False,
-                error=error,
-                text=res.text[:2000],
-            )
-        )
 
 
 def _clean(text: str) -> str:
@@ -307,67 +234,44 @@ def _clean(text: str) -> str:
     return text.replace("\x00", "\ufffd")
 
 
-def _record(link: Link, batch: BatchResult, lease: datetime | None = None) -> None:
-    """Write one round's outcome: attempts, recipient states, notifications, link state.
+def _decide(
+    link: Link,
+    batch: BatchResult,
+    rows: dict[int, Recipient],
+    senders: dict[int, str],
+    host_hints: dict[str, rr.RetryHint],
+    now: datetime,
+) -> _Round:
+    """Decide what a round's results mean, without touching the database.
 
-    Steps:
-    1. one Attempt row per result;
-    2. every host that could not be used gets its retry hint; a link whose
-       every host failed goes to Retry at the time its retry rule gives;
-    3. recipients: delivered and failed become final (failed ones move to the
-       Dead-letter queue); deferred ones get their next try from the retry rule,
-       or fail when the rule's final cutoff has passed;
-    4. in the same transaction: the NDRs and "relayed" DSNs owed, messages whose
-       recipients are all final are done, problem-message counters.
+    1. one Attempt per result;
+    2. every host that could not be used gets its retry data; a link whose
+       every host failed goes to Retry at the time its rule gives;
+    3. delivered and failed recipients become final (failed ones are owed an
+       NDR); deferred ones get their next try from the retry rule, or fail
+       when the rule's final cutoff has passed; deliveries clear retry data;
+    4. message-level 4xx failures count towards a problem message.
     """
-    now = clock.now()
-    results = batch.results
-    for res in results:
-        res.text, res.host = _clean(res.text), _clean(res.host)
-    batch.connection_error = _clean(batch.connection_error)
-    claimed = Recipient.objects.filter(
-        id__in=[x.recipient_id for x in results], state=RecipientState.ACTIVE
-    )
-    if lease is not None:
-        claimed = claimed.filter(lease_until=lease)
-    rows = {
-        r.id: r
-        for r in claimed.only(
-            "id",
-            "message_id",
-            "address",
-            "orcpt",
-            "notify",
-            "attempt_count",
-            "first_failure_at",
-            "last_attempt_at",
-            "next_attempt_at",
-            "queue_id",
-        )
-    }
-    senders = dict(
-        Message.objects.filter(id__in={r.message_id for r in rows.values()}).values_list(
-            "id", "mail_from"
-        )
-    )
     domain = next(iter(rows.values())).address.rpartition("@")[2] if rows else link.name
-    rnd = _Round(now)
-    host_hints = _host_hints(link, batch, domain, now)
-    link_timed_out = False
-    if batch.connected:
-        link.state, link.failure_count, link.next_retry_at = LinkState.READY, 0, None
-        link.first_failure_at = None
-    else:
-        link_timed_out = _link_failed(link, batch, domain, now)
-    attempts = []
-    delivered_queues: set[int] = set()
-    errors_by_queue: dict[int, str] = {}
-    dead_letter = None
-    for res in results:
+    via_mx = _via_mx(link)
+    last_failure = batch.host_failures[-1] if batch.host_failures else None
+    verdict = retry.link_verdict(
+        _link_retry(link),
+        connected=batch.connected,
+        last_failure=last_failure,
+        domain=domain,
+        via_mx=via_mx,
+        now=now,
+    )
+    rnd = _Round(now, rows, verdict)
+    rnd.hints = retry.host_hints(
+        batch.host_failures, host_hints, domain=domain, via_mx=via_mx, now=now
+    )
+    for res in batch.results:
         row = rows.get(res.recipient_id)
-        if row is None:  # removed by an operator meanwhile
+        if row is None:  # no longer this round's (taken back, removed)
             continue
-        attempts.append(
+        rnd.attempts.append(
             Attempt(
                 recipient_id=res.recipient_id,
                 message_id=res.message_id,
@@ -385,11 +289,30 @@ def _record(link: Link, batch: BatchResult, lease: datetime | None = None) -> No
             )
         )
         sender = senders.get(row.message_id, "")
-        row.attempt_count += 1
-        row.lease_until = None
+        timed_out = False
         if res.outcome == AttemptOutcome.DEFERRED:
-            _defer(row, res, link, batch, link_timed_out, sender, rnd)
-            errors_by_queue[row.queue_id] = res.text
+            d = retry.deferral(
+                res,
+                address=row.address,
+                sender=sender,
+                first_failure_at=row.first_failure_at,
+                last_attempt_at=row.last_attempt_at,
+                next_attempt_at=row.next_attempt_at,
+                link=verdict,
+                via_mx=via_mx,
+                now=now,
+            )
+            row.first_failure_at = d.first_failure_at
+            timed_out = d.next_attempt_at is None
+            if not timed_out:
+                row.next_attempt_at = d.next_attempt_at
+            if d.message_failure:
+                rnd.message_failures.add(row.message_id)
+            if d.address_hint is not None:
+                rnd.hints.append(d.address_hint)
+            rnd.errors_by_queue[row.queue_id] = res.text
+        row.attempt_count += 1
+        row.lease_owner, row.lease_until = "", None
         row.last_attempt_at = res.started_at or now
         row.last_code = res.code
         row.last_enhanced = res.enhanced[:16]
@@ -397,20 +320,86 @@ def _record(link: Link, batch: BatchResult, lease: datetime | None = None) -> No
         row.last_host = f"{res.host} [{res.ip}]" if res.ip else res.host
         if res.outcome == AttemptOutcome.DELIVERED:
             row.state, row.final_at = RecipientState.DELIVERED, now
-            delivered_queues.add(row.queue_id)
+            rnd.delivered_queues.add(row.queue_id)
             rnd.cleared_hints.append(rr.address_key(row.address, sender))
             if res.host:
                 rnd.cleared_hints.append(rr.host_key(res.host, res.ip))
             if "SUCCESS" in row.notify.upper() and not res.peer_dsn:
                 rnd.relayed[row.message_id].append(row)
-        elif res.outcome == AttemptOutcome.FAILED or row.id in rnd.timed_out:
-            dead_letter = dead_letter or special_queue(DeliveryType.DEAD_LETTER, now)
-            row.state, row.final_at, row.queue_id = RecipientState.FAILED, now, dead_letter.pk
-            if row.id in rnd.timed_out:
+        elif res.outcome == AttemptOutcome.FAILED or timed_out:
+            row.state, row.final_at = RecipientState.FAILED, now  # queue: Dead-letter (_write)
+            if timed_out:
                 row.last_text = f"retry timeout exceeded; last error: {res.text}"
             rnd.failed[row.message_id].append(row)
         else:
             row.state = RecipientState.DEFERRED
+    return rnd
+
+
+def _record(link: Link, batch: BatchResult, owner: str) -> None:
+    """Record one round's outcome: read what it needs, decide (``_decide``),
+    write it all in one transaction (``_write``)."""
+    now = clock.now()
+    link.refresh_from_db()  # a retried recording starts again from the stored link
+    for res in batch.results:
+        res.text, res.host = _clean(res.text), _clean(res.host)
+    batch.connection_error = _clean(batch.connection_error)
+    claimed = Recipient.objects.filter(id__in=[x.recipient_id for x in batch.results]).owned_by(
+        owner
+    )
+    rows = {r.id: r for r in claimed.only(*_RECIPIENT_READ_FIELDS)}
+    senders = dict(
+        Message.objects.filter(id__in={r.message_id for r in rows.values()}).values_list(
+            "id", "mail_from"
+        )
+    )
+    keys = [rr.host_key(f.host, f.ip) for f in batch.host_failures if f.host]
+    rnd = _decide(link, batch, rows, senders, _load_hints(keys), now)
+    _write(rnd, link, batch, claimed, owner)
+
+
+_RECIPIENT_READ_FIELDS = (
+    "id",
+    "message_id",
+    "address",
+    "orcpt",
+    "notify",
+    "attempt_count",
+    "first_failure_at",
+    "last_attempt_at",
+    "next_attempt_at",
+    "queue_id",
+)
+
+
+def _load_hints(keys: list[str]) -> dict[str, rr.RetryHint]:
+    return {key: _as_hint(row) for key, row in hints_load(keys).items()}
+
+
+def _as_hint(row: RetryHint) -> rr.RetryHint:
+    return rr.RetryHint(
+        row.key, row.first_failed, row.last_tried, row.next_try, row.expired, row.error, row.text
+    )
+
+
+def _as_row(hint: rr.RetryHint) -> RetryHint:
+    return RetryHint(
+        key=hint.key,
+        first_failed=hint.first_failed,
+        last_tried=hint.last_tried,
+        next_try=hint.next_try,
+        expired=hint.expired,
+        error=hint.error,
+        text=_clean(hint.text)[:2000],
+    )
+
+
+def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> None:
+    """Write what ``_decide`` decided, in one transaction, only to rows the round
+    still owns: attempts, recipients, retry data, the NDRs and "relayed" DSNs
+    owed, problem-message counters, finished messages, the link and its queues."""
+    now = rnd.now
+    rows = rnd.rows
     with transaction.atomic():
         # Lock what we write and drop rows whose claim ended meanwhile (the
         # sweep took them back): their newer state wins; the attempts stay.
@@ -422,9 +411,17 @@ def _record(link: Link, batch: BatchResult, lease: datetime | None = None) -> No
             for per_message in (rnd.failed, rnd.relayed):
                 for mid in list(per_message):
                     per_message[mid] = [r for r in per_message[mid] if r.id in kept]
-        Attempt.objects.bulk_create(attempts)
+        if any(rnd.failed.values()):
+            dead_letter = special_queue(DeliveryType.DEAD_LETTER, now)
+            for failed in rnd.failed.values():
+                for row in failed:
+                    row.queue_id = dead_letter.pk
+        Attempt.objects.bulk_create(rnd.attempts)
         bulk_update_rows(list(rows.values()), RECIPIENT_UPDATE_FIELDS)
-        hints_save(host_hints + rnd.address_hints)
+        # Claimed but never tried (the round stopped when it lost its claim,
+        # or a peer never got to them): waiting again, due now.
+        Recipient.objects.owned_by(owner).release(now)
+        hints_save(_as_row(h) for h in rnd.hints)
         hints_clear(rnd.cleared_hints)
         _notify_round(rnd)
         if rnd.message_failures:
@@ -435,14 +432,28 @@ def _record(link: Link, batch: BatchResult, lease: datetime | None = None) -> No
             Message.objects.filter(
                 id__in=rnd.message_failures, per_message_failures__gte=threshold
             ).update(problem=True)
-        messages_finish({r.message_id for r in results}, now)
-        if delivered_queues:
-            Queue.objects.filter(id__in=delivered_queues).update(last_delivery_at=now)
-            link.last_success_at = now
-        for queue_id, text in errors_by_queue.items():
-            Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
-        link.save(update_fields=LINK_UPDATE_FIELDS)
-    metrics.record_delivery(attempts, rows.values())
+        messages_finish({r.message_id for r in batch.results}, now)
+        _write_link(link, rnd, batch.connection_error)
+    metrics.record_delivery(rnd.attempts, rows.values())
+
+
+def _write_link(link: Link, rnd: _Round, connection_error: str) -> None:
+    now = rnd.now
+    verdict = rnd.link
+    link.failure_count = verdict.retry.failure_count
+    link.first_failure_at = verdict.retry.first_failure_at
+    link.next_retry_at = verdict.retry.next_retry_at
+    if verdict.failed:
+        link.state = LinkState.RETRY
+        link.last_error, link.last_error_at = connection_error, now
+    else:
+        link.state = LinkState.READY
+    if rnd.delivered_queues:
+        Queue.objects.filter(id__in=rnd.delivered_queues).update(last_delivery_at=now)
+        link.last_success_at = now
+    for queue_id, text in rnd.errors_by_queue.items():
+        Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
+    link.save(update_fields=LINK_UPDATE_FIELDS)
 
 
 RECIPIENT_UPDATE_FIELDS = [
@@ -453,6 +464,7 @@ RECIPIENT_UPDATE_FIELDS = [
     "last_enhanced",
     "last_text",
     "last_host",
+    "lease_owner",
     "lease_until",
     "final_at",
     "first_failure_at",
@@ -474,55 +486,30 @@ def _notify_round(rnd: _Round) -> None:
     ids = set(rnd.failed) | set(rnd.relayed)
     if not ids:
         return
-    messages = {m.pk: m for m in Message.objects.filter(id__in=ids).exclude(mail_from="")}
-    for mid, rows in rnd.failed.items():
-        if mid in messages:
-            notify(dsn.FAILURE, messages[mid], rows, now=rnd.now)
-    for mid, rows in rnd.relayed.items():
-        if mid in messages:
-            notify(dsn.SUCCESS, messages[mid], rows, now=rnd.now)
+    # Without bodies: notify reads the one original it quotes, when it quotes it.
+    originals = Message.objects.filter(id__in=ids).exclude(mail_from="").defer("data")
+    for message in originals.iterator():
+        if rnd.failed.get(message.pk):
+            notify(dsn.FAILURE, message, rnd.failed[message.pk], now=rnd.now)
+        if rnd.relayed.get(message.pk):
+            notify(dsn.SUCCESS, message, rnd.relayed[message.pk], now=rnd.now)
 
 
-def _usable_targets(targets: list, domain: str, now: datetime) -> tuple[list, str]:
-    """Which hosts to try, from their retry data (Exim §10).
+def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) -> int:
+    """Claim, send and record one round for ``link`` as ``owner``.
 
-    Returns the targets and a verdict: "try" (hosts whose retry time has come,
-    or that have no retry data), "bounce" (every host is past its rule's final
-    cutoff and not due: the recipients time out without an attempt), or
-    "defer" — which cannot stop a round here, because the link's own retry
-    time has just come: then every host is tried.
+    Returns how many recipients the round claimed (0: nothing was due).
     """
-    hints = hints_load(rr.host_key(t.host, t.ip) for t in targets)
-    if not hints:
-        return targets, "try"
-    active = retry.rules()
-    decisions = []
-    for t in targets:
-        row = hints.get(rr.host_key(t.host, t.ip))
-        rule = (
-            active.find(f"postmaster@{domain}", host=t.host, error=row.error or None)
-            if row
-            else None
-        )
-        decisions.append(rr.may_try(_as_hint(row), now=now, rule=rule, options=active.options))
-    verdict = rr.combine_decisions(decisions)
-    if verdict == "bounce":
-        return [], verdict
-    ready = [t for t, d in zip(targets, decisions, strict=True) if d is rr.TryDecision.TRY]
-    return (ready or targets), "try"
-
-
-def deliver_round(link: Link, config: ClientConfig) -> int:
-    """Claim, send and record one round for ``link``. Returns recipients handled."""
     limit = config.max_connections * config.max_messages_per_connection
-    ids, lease = _claim(link.pk, limit)
+    ids = _claim(link.pk, owner, limit)
     if not ids:
         return 0
     messages = _load_batch(ids)
     hops = [NextHop.from_json(h) for h in link.hosts]
     targets, error = order_targets(hops)
     domain = messages[0].recipients[0].address.rpartition("@")[2] if messages else link.name
-    targets, verdict = _usable_targets(targets, domain, clock.now())
+    hints = _load_hints([rr.host_key(t.host, t.ip) for t in targets])
+    targets, verdict = retry.usable_targets(targets, hints, domain=domain, now=clock.now())
     if verdict == "bounce":
         batch = _unattempted(
             messages,
@@ -535,31 +522,49 @@ def deliver_round(link: Link, config: ClientConfig) -> int:
             messages, AttemptOutcome.DEFERRED, "4.4.4", error or "no address for the next hop"
         )
     else:
-        batch = asyncio.run(deliver(targets, messages, config))
+        batch = _exchange(targets, messages, config, claim)
     try:
-        _record(link, batch, lease)
+        _while_connected(claim, lambda: _record(link, batch, owner))
+    except (OperationalError, InterfaceError):
+        # The database stayed away for a whole lease: the rows are (or will
+        # be) taken back by the sweep and tried again; nothing to write here.
+        log.exception("could not record a delivery round of link %s", link.pk)
     except Exception:
         # Never retry the same batch in a tight loop: park it for a while, and
         # a message that keeps breaking the recording goes to Poison.
         log.exception("recording a delivery round of link %s failed", link.pk)
-        _record_crash(ids, lease)
+        _record_crash(owner)
     return len(ids)
 
 
-def _record_crash(recipient_ids: list[int], lease: datetime) -> None:
-    from delivery.categorize import park_poison
+def _while_connected(claim: Claim, write: Callable[[], None]) -> None:
+    """Run ``write``; when the database connection breaks (PostgreSQL restarting),
+    reconnect and run it again for as long as the claim is held, so a restart
+    costs a moment, not a second copy of every message of the round."""
+    delay = 0.2
+    while True:
+        try:
+            write()
+            return
+        except (OperationalError, InterfaceError) as exc:
+            drop_connection()
+            claim.renew()  # keeps the claim across the outage, or finds it lost
+            if not claim.held():
+                raise
+            log.warning("database unavailable while recording (%s); retrying", exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
+
+def _record_crash(owner: str) -> None:
     now = clock.now()
     with transaction.atomic():
-        rows = Recipient.objects.filter(
-            id__in=recipient_ids, state=RecipientState.ACTIVE, lease_until=lease
-        )
+        rows = Recipient.objects.owned_by(owner)
         message_ids = set(rows.values_list("message_id", flat=True))
-        rows.update(
-            state=RecipientState.DEFERRED,
-            lease_until=None,
-            next_attempt_at=now + settings.MAILRELAY_MESSAGE_RETRY_INTERVAL,
-            last_text="internal error while recording the delivery; will retry",
+        rows.release_after_crash(
+            owner,
+            now + settings.MAILRELAY_MESSAGE_RETRY_INTERVAL,
+            "internal error while recording the delivery; will retry",
         )
         Message.objects.filter(id__in=message_ids).update(crash_count=F("crash_count") + 1)
         poisoned = list(
@@ -571,30 +576,56 @@ def _record_crash(recipient_ids: list[int], lease: datetime) -> None:
         park_poison(poisoned)
 
 
+class _LinkOwner:
+    """What one delivery task holds: its link, renewed with its current round."""
+
+    def __init__(self, link_id: int, owner: str) -> None:
+        self.link_id = link_id
+        self.owner = owner
+        self.rounds = 0
+        self.round: str | None = None
+
+    def next_round(self) -> str:
+        self.rounds += 1
+        self.round = f"{self.owner}/{self.rounds}"
+        return self.round
+
+    def renew(self, until: datetime) -> bool:
+        """Renew the link and the round's recipients (one lease end for both, so
+        the sweep takes them back together: the link's answer says for both)."""
+        if not Link.objects.renew(self.link_id, self.owner, until):
+            return False
+        if self.round is not None:
+            Recipient.objects.renew(self.round, until)
+        return True
+
+
 def deliver_link(link_id: int, owner: str | None = None) -> int:
     """Deliver everything due on one link, as its only delivery task.
 
     Returns how many recipients were handled. Exits at once when another task
     holds the link, or when the link waits for its retry time.
     """
-    owner = owner or worker_id()
+    holder = _LinkOwner(link_id, owner or worker_id())
     handled = 0
     config = ClientConfig.from_settings()
-    while link_acquire(link_id, owner):
+    while link_acquire(link_id, holder.owner):
         before = handled
+        claim = Claim(f"link {link_id}", holder.renew)
         try:
-            while True:
+            while claim.held():
                 link = Link.objects.get(pk=link_id)
                 if link.next_retry_at and link.next_retry_at > clock.now():
                     break
-                count = deliver_round(link, config)
+                count = deliver_round(link, config, holder.next_round(), claim)
+                holder.round = None
                 if not count:
                     break
                 handled += count
-                if not link_acquire(link_id, owner):  # renew; lost it: another task delivers
-                    break
+                claim.renew()  # between rounds too: a lost link ends the task
         finally:
-            link_release(link_id, owner)
+            holder.round = None
+            link_release(link_id, holder.owner)
         # Work that arrived while we held the lease rang a bell we swallowed:
         # look once more after letting go.
         if handled == before or not link_has_due_work(link_id):

@@ -24,22 +24,34 @@ How Exchange's counters and Exim's rules combine (README, "Retry"):
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
+from typing import TypeVar
 
 from django.conf import settings
 
 from delivery.retryrules import (
     NextRetry,
+    RetryHint,
     RetryOptions,
     RetryRules,
     Rule,
+    TryDecision,
+    address_key,
+    combine_decisions,
     format_duration,
+    host_key,
     load_rules,
+    may_try,
     next_retry,
     parse_rules,
+    record_failure,
 )
+from delivery.types import HostFailure, RecipientResult
+
+T = TypeVar("T")
 
 FOREVER = timedelta(days=36500)
 MESSAGE_ERRORS = ("rcpt_4xx", "mail_4xx", "data_4xx")
@@ -180,3 +192,176 @@ def validate_retry_settings() -> None:
 def categorizer_retry_at(now: datetime) -> datetime:
     """Next routing attempt after a temporary DNS failure (Unreachable queue)."""
     return now + settings.MAILRELAY_CATEGORIZER_RETRY_INTERVAL
+
+
+# --- decisions over one delivery round (pure: delivery.deliver reads and writes) -------
+
+
+@dataclass(frozen=True)
+class LinkRetry:
+    """A link's connection-retry state (Exchange's counters, on the link row)."""
+
+    failure_count: int = 0
+    first_failure_at: datetime | None = None
+    next_retry_at: datetime | None = None
+    last_error_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class LinkVerdict:
+    """The link after a round: ``failed`` when every host failed (the link goes to
+    Retry at ``retry.next_retry_at``); ``timed_out`` when, moreover, its rule's
+    final cutoff has passed (the recipients fail)."""
+
+    retry: LinkRetry
+    failed: bool
+    timed_out: bool
+
+
+def link_verdict(
+    link: LinkRetry,
+    *,
+    connected: bool,
+    last_failure: HostFailure | None,
+    domain: str,
+    via_mx: bool,
+    now: datetime,
+) -> LinkVerdict:
+    """A round that reached a peer resets the link; one that reached none moves it
+    along the connection rule (Exchange's glitch/transient/Retry, compiled)."""
+    if connected:
+        return LinkVerdict(LinkRetry(last_error_at=link.last_error_at), False, False)
+    error = error_name(
+        last_failure.phase if last_failure else "connect",
+        last_failure.code if last_failure else None,
+        last_failure.error if last_failure else "",
+        via_mx,
+    )
+    first_failed = link.first_failure_at or now
+    decision = decide(
+        address=f"postmaster@{domain}",
+        host=(last_failure.host if last_failure and last_failure.host else None) or domain,
+        error=error,
+        first_failed=first_failed,
+        last_tried=link.last_error_at or now,
+        next_try=link.next_retry_at,
+        now=now,
+    )
+    retry = LinkRetry(link.failure_count + 1, first_failed, decision.at, now)
+    return LinkVerdict(retry, True, decision.timed_out)
+
+
+def host_hints(
+    failures: Sequence[HostFailure],
+    existing: Mapping[str, RetryHint],
+    *,
+    domain: str,
+    via_mx: bool,
+    now: datetime,
+) -> list[RetryHint]:
+    """Exim's per-host retry data for every host that could not be used."""
+    by_key = {host_key(f.host, f.ip): f for f in failures if f.host}
+    active = rules()
+    saved = []
+    for key, f in by_key.items():
+        error = error_name(f.phase, f.code, f.error, via_mx)
+        rule = active.find(f"postmaster@{domain}", host=f.host, error=error or None)
+        outcome = record_failure(
+            existing.get(key),
+            key=key,
+            rule=rule,
+            now=now,
+            error=error,
+            text=f.text,
+            options=active.options,
+        )
+        saved.append(outcome.hint)
+    return saved
+
+
+@dataclass(frozen=True)
+class Deferral:
+    """A deferred recipient's next try; ``next_attempt_at`` is None when it timed
+    out (its rule's final cutoff passed: it fails)."""
+
+    next_attempt_at: datetime | None
+    first_failure_at: datetime
+    message_failure: bool = False  # counts towards a problem message
+    address_hint: RetryHint | None = None  # RCPT 4xx: retry data per address+sender
+
+
+def deferral(
+    result: RecipientResult,
+    *,
+    address: str,
+    sender: str,
+    first_failure_at: datetime | None,
+    last_attempt_at: datetime | None,
+    next_attempt_at: datetime | None,
+    link: LinkVerdict,
+    via_mx: bool,
+    now: datetime,
+) -> Deferral:
+    """When a recipient that got a temporary failure is tried again."""
+    first_failed = first_failure_at or now
+    if result.scope == "connection" and link.failed:
+        # No host answered: the recipient waits for its link.
+        if link.timed_out:
+            return Deferral(None, first_failed)
+        return Deferral(link.retry.next_retry_at or now, first_failed)
+    lost = result.scope == "connection" and result.code is None
+    host_error = "lost_connection" if lost else ""
+    error = error_name(result.phase, result.code, host_error, via_mx)
+    decision = decide(
+        address=address,
+        error=error,
+        host=(result.host or None) if host_error else None,
+        sender=sender,
+        first_failed=first_failed,
+        last_tried=last_attempt_at or now,
+        next_try=next_attempt_at,
+        now=now,
+    )
+    if decision.timed_out:
+        return Deferral(None, first_failed)
+    hint = None
+    if result.phase == "rcpt":
+        hint = RetryHint(
+            key=address_key(address, sender),
+            first_failed=first_failed,
+            last_tried=now,
+            next_try=decision.at,
+            error=error,
+            text=result.text[:2000],
+        )
+    return Deferral(decision.at, first_failed, result.scope == "message", hint)
+
+
+def usable_targets(
+    targets: Sequence[T], hints: Mapping[str, RetryHint], *, domain: str, now: datetime
+) -> tuple[list[T], str]:
+    """Which hosts to try, from their retry data (Exim §10).
+
+    Returns the targets and a verdict: "try" (hosts whose retry time has come,
+    or that have no retry data), "bounce" (every host is past its rule's final
+    cutoff and not due: the recipients time out without an attempt), or
+    "defer" — which cannot stop a round here, because the link's own retry
+    time has just come: then every host is tried.
+    """
+    if not hints:
+        return list(targets), "try"
+    active = rules()
+    decisions = []
+    for t in targets:
+        hint = hints.get(host_key(t.host, t.ip))
+        rule = (
+            active.find(f"postmaster@{domain}", host=t.host, error=hint.error or None)
+            if hint
+            else None
+        )
+        decisions.append(may_try(hint, now=now, rule=rule, options=active.options))
+    verdict = combine_decisions(decisions)
+    if verdict == "bounce":
+        return [], verdict
+    ready = [t for t, d in zip(targets, decisions, strict=True) if d is TryDecision.TRY]
+    return (ready or list(targets)), "try"

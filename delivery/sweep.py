@@ -44,6 +44,7 @@ EXPIRE_BATCH = 1000
 class SweepReport:
     recipients_reclaimed: int = 0
     messages_reclaimed: int = 0
+    links_reclaimed: int = 0
     unreachable_resubmitted: int = 0
     categorizer_rung: bool = False
     links_rung: list[int] = field(default_factory=list)
@@ -54,16 +55,13 @@ class SweepReport:
 
 
 def _reclaim_expired_claims(report: SweepReport) -> None:
+    """Take back what owners stopped renewing (queues.transitions, delivery.ownership)."""
     now = clock.now()
     # A delivery that died mid-round: its recipients wait again, due now.
-    report.recipients_reclaimed = Recipient.objects.filter(
-        state=RecipientState.ACTIVE, lease_until__lt=now
-    ).update(state=RecipientState.QUEUED, lease_until=None, next_attempt_at=now)
-    # A categorizer that died: its messages go back to Submission (crash_count kept).
-    report.messages_reclaimed = Message.objects.filter(
-        state=MessageState.CATEGORIZING, lease_until__lt=now
-    ).update(state=MessageState.SUBMISSION, lease_owner="", lease_until=None, next_attempt_at=now)
-    Link.objects.filter(lease_until__lt=now).update(lease_owner="", lease_until=None)
+    report.recipients_reclaimed = Recipient.objects.reclaim_expired(now)
+    # A categorizer that died: its messages go back to Submission, tried alone next.
+    report.messages_reclaimed = Message.objects.reclaim_expired(now)
+    report.links_reclaimed = Link.objects.reclaim_expired(now)
 
 
 def _resubmit_due_unreachable(report: SweepReport) -> None:
@@ -79,12 +77,8 @@ def _resubmit_due_unreachable(report: SweepReport) -> None:
         if not ids:
             return
         message_ids = set(Recipient.objects.filter(id__in=ids).values_list("message_id", flat=True))
-        Recipient.objects.filter(id__in=ids).update(
-            queue=None, state=RecipientState.SUBMITTED, next_attempt_at=now
-        )
-        Message.objects.filter(id__in=message_ids, state=MessageState.QUEUED).update(
-            state=MessageState.SUBMISSION, next_attempt_at=now
-        )
+        Recipient.objects.filter(id__in=ids).back_to_submission(now)
+        Message.objects.filter(id__in=message_ids).back_to_submission(now)
     report.unreachable_resubmitted = len(ids)
 
 
@@ -93,9 +87,7 @@ def _release_stranded() -> None:
     the categorizer) goes back to Submission too, instead of waiting for expiry."""
     # Driven from the small side: the partial index of submitted recipients.
     submitted = Recipient.objects.filter(state=RecipientState.SUBMITTED).values("message_id")
-    Message.objects.filter(state=MessageState.QUEUED, id__in=submitted).update(
-        state=MessageState.SUBMISSION, next_attempt_at=clock.now()
-    )
+    Message.objects.filter(id__in=submitted).back_to_submission(clock.now())
 
 
 def _links_with_due_work() -> list[int]:
@@ -108,8 +100,8 @@ def _links_with_due_work() -> list[int]:
         message__suspended=False,
     )
     return list(
-        Link.objects.filter(Q(next_retry_at__isnull=True) | Q(next_retry_at__lte=now))
-        .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+        Link.objects.unowned(now)
+        .filter(Q(next_retry_at__isnull=True) | Q(next_retry_at__lte=now))
         .filter(Exists(due))
         .values_list("id", flat=True)
     )
@@ -170,7 +162,8 @@ def _expire(report: SweepReport) -> None:
             rows, ["state", "final_at", "queue_id", "last_enhanced", "last_text"]
         )
         metrics.count_expired(len(rows))
-        for message in Message.objects.filter(id__in=list(by_message)):
+        # Without bodies: notify reads the one original it quotes, when it quotes it.
+        for message in Message.objects.filter(id__in=list(by_message)).defer("data").iterator():
             notify(dsn.FAILURE, message, by_message[message.pk], now=now, expired=True)
         messages_finish(by_message, now)
     report.expired = len(rows)
@@ -195,7 +188,7 @@ def _delay_notifications(report: SweepReport) -> None:
         for r in rows:
             by_message[r.message_id].append(r)
         Recipient.objects.filter(id__in=[r.id for r in rows]).update(delay_dsn_sent=True)
-        for message in Message.objects.filter(id__in=list(by_message)):
+        for message in Message.objects.filter(id__in=list(by_message)).defer("data").iterator():
             if notify(dsn.DELAY, message, by_message[message.pk], now=now):
                 report.delay_dsns += 1
 
@@ -214,11 +207,9 @@ def _auto_resubmit(report: SweepReport) -> None:
         with transaction.atomic():
             # Set-based, re-checked by the UPDATE itself: rows claimed by a delivery
             # meanwhile (ACTIVE) are left alone.
-            waiting = Recipient.objects.filter(queue__link=link, state__in=WAITING_RECIPIENT_STATES)
-            Message.objects.filter(
-                id__in=waiting.values("message_id"), state=MessageState.QUEUED
-            ).update(state=MessageState.SUBMISSION, next_attempt_at=now)
-            moved = waiting.update(queue=None, state=RecipientState.SUBMITTED, next_attempt_at=now)
+            waiting = Recipient.objects.filter(queue__link=link).waiting()
+            Message.objects.filter(id__in=waiting.values("message_id")).back_to_submission(now)
+            moved = waiting.back_to_submission(now)
             # The idle window starts again, so this happens once per window.
             Link.objects.filter(pk=link.pk).update(first_failure_at=now)
             Event.objects.create(
@@ -231,6 +222,23 @@ def _auto_resubmit(report: SweepReport) -> None:
                 data={"link": link.pk, "recipients": moved},
             )
         report.resubmitted += moved
+
+
+def reclaim() -> SweepReport:
+    """The quick part of the sweep, run more often than the rest (every third of
+    MAILRELAY_DELIVERY_LEASE, at most MAILRELAY_SWEEP_INTERVAL): take back the
+    claims of dead owners and ring for the work they held, so a killed worker's
+    mail moves on within a lease and a third, not a lease and a sweep interval."""
+    report = SweepReport()
+    _reclaim_expired_claims(report)
+    if report.messages_reclaimed:
+        report.categorizer_rung = True
+        bell.ring_categorizer()
+    if report.recipients_reclaimed or report.links_reclaimed:
+        report.links_rung = _links_with_due_work()
+        for link_id in report.links_rung:
+            bell.ring_link(link_id)
+    return report
 
 
 def sweep() -> SweepReport:

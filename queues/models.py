@@ -11,29 +11,22 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
-
-class DeliveryType(models.TextChoices):
-    SUBMISSION = "submission", "Submission"
-    SMART_HOST = "smart_host", "Smart host"
-    DNS_MX = "dns_mx", "DNS MX"
-    TRANSPORT_MAP = "transport_map", "Transport map"
-    UNREACHABLE = "unreachable", "Unreachable"
-    POISON = "poison", "Poison"
-    DEAD_LETTER = "dead_letter", "Dead-letter"
-
-
-SPECIAL_DELIVERY_TYPES = (
-    DeliveryType.SUBMISSION,
-    DeliveryType.UNREACHABLE,
-    DeliveryType.POISON,
-    DeliveryType.DEAD_LETTER,
+# The states live in queues.states (the transitions use them too); re-exported
+# here because every caller knows them as queues.models.*.
+from queues.states import (  # noqa: F401
+    FINAL_RECIPIENT_STATES,
+    SPECIAL_DELIVERY_TYPES,
+    WAITING_RECIPIENT_STATES,
+    AttemptOutcome,
+    AttemptPhase,
+    DeliveryType,
+    EventLevel,
+    LinkState,
+    MessageSource,
+    MessageState,
+    RecipientState,
 )
-
-
-class LinkState(models.TextChoices):
-    READY = "ready", "Ready"
-    ACTIVE = "active", "Active"
-    RETRY = "retry", "Retry"
+from queues.transitions import LinkQuerySet, MessageQuerySet, RecipientQuerySet
 
 
 class Link(models.Model):
@@ -59,6 +52,8 @@ class Link(models.Model):
     lease_owner = models.CharField(max_length=100, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField()
+
+    objects = LinkQuerySet.as_manager()
 
     def __str__(self) -> str:
         return self.name
@@ -94,20 +89,6 @@ class Queue(models.Model):
         return f"{self.name} ({self.delivery_type})"
 
 
-class MessageState(models.TextChoices):
-    SUBMISSION = "submission", "Submission"  # some recipients await the categorizer
-    CATEGORIZING = "categorizing", "Categorizing"  # claimed by a categorizer
-    QUEUED = "queued", "Queued"  # categorized; some recipients not final
-    DONE = "done", "Done"  # every recipient final
-
-
-class MessageSource(models.TextChoices):
-    SMTP = "smtp", "SMTP"
-    PICKUP = "pickup", "Pickup"
-    REPLAY = "replay", "Replay"
-    DSN = "dsn", "DSN"
-
-
 class Message(models.Model):
     qid = models.CharField("queue id", max_length=20, unique=True)
     state = models.CharField(
@@ -136,9 +117,14 @@ class Message(models.Model):
     per_message_failures = models.PositiveIntegerField(default=0)
     problem = models.BooleanField(default=False)
     crash_count = models.PositiveIntegerField(default=0)
+    # In a batch whose categorizer died, or crashed one: claimed alone from now on,
+    # so the poison guard counts only its own crashes (queues.transitions).
+    isolate = models.BooleanField(default=False)
     lease_owner = models.CharField(max_length=100, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
+
+    objects = MessageQuerySet.as_manager()
 
     class Meta:
         indexes = [
@@ -173,24 +159,6 @@ class Message(models.Model):
         return self.qid
 
 
-class RecipientState(models.TextChoices):
-    SUBMITTED = "submitted", "Submitted"  # waiting for the categorizer
-    QUEUED = "queued", "Queued"  # in a delivery queue, not yet tried
-    DEFERRED = "deferred", "Deferred"  # tried, temporary failure, waiting to retry
-    ACTIVE = "active", "Active"  # claimed by a delivery (lease_until)
-    DELIVERED = "delivered", "Delivered"
-    FAILED = "failed", "Failed"
-    EXPIRED = "expired", "Expired"
-
-
-FINAL_RECIPIENT_STATES = (
-    RecipientState.DELIVERED,
-    RecipientState.FAILED,
-    RecipientState.EXPIRED,
-)
-WAITING_RECIPIENT_STATES = (RecipientState.QUEUED, RecipientState.DEFERRED)
-
-
 class Recipient(models.Model):
     message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="recipients")
     address = models.CharField(max_length=512)
@@ -204,6 +172,9 @@ class Recipient(models.Model):
         max_length=10, choices=RecipientState.choices, default=RecipientState.SUBMITTED
     )
     next_attempt_at = models.DateTimeField()
+    # The delivery round that holds the recipient while ACTIVE (its results are
+    # written only while it still does), and until when without renewal.
+    lease_owner = models.CharField(max_length=100, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
     attempt_count = models.PositiveIntegerField(default=0)
     first_failure_at = models.DateTimeField(null=True, blank=True)
@@ -214,6 +185,8 @@ class Recipient(models.Model):
     last_host = models.CharField(max_length=300, blank=True)
     delay_dsn_sent = models.BooleanField(default=False)
     final_at = models.DateTimeField(null=True, blank=True)
+
+    objects = RecipientQuerySet.as_manager()
 
     class Meta:
         indexes = [
@@ -242,24 +215,6 @@ class Recipient(models.Model):
         return self.address
 
 
-class AttemptPhase(models.TextChoices):
-    ROUTE = "route", "Routing"
-    CONNECT = "connect", "Connect"
-    GREETING = "greeting", "Greeting"
-    EHLO = "ehlo", "EHLO"
-    STARTTLS = "starttls", "STARTTLS"
-    MAIL = "mail", "MAIL FROM"
-    RCPT = "rcpt", "RCPT TO"
-    DATA = "data", "DATA"
-    SESSION = "session", "Session"  # lost connection, timeout mid-session
-
-
-class AttemptOutcome(models.TextChoices):
-    DELIVERED = "delivered", "Delivered"
-    DEFERRED = "deferred", "Deferred"
-    FAILED = "failed", "Failed"
-
-
 class Attempt(models.Model):
     """One try to deliver one recipient: where, when, and what the peer said."""
 
@@ -279,12 +234,6 @@ class Attempt(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["message", "started_at"], name="attempt_by_message")]
-
-
-class EventLevel(models.TextChoices):
-    INFO = "info", "Information"
-    WARNING = "warning", "Warning"
-    ERROR = "error", "Error"
 
 
 class Event(models.Model):

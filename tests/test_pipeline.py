@@ -237,7 +237,7 @@ def test_the_sweep_takes_back_recipients_of_a_dead_delivery(relay, sink_factory,
     while drain_categorize_only():
         pass
     link = Link.objects.get()
-    claimed, _ = _claim(link.pk, 10)  # a worker claims it and dies before sending
+    claimed = _claim(link.pk, "dead-round", 10)  # a worker claims it and dies before sending
     assert claimed
     assert rcpt("u@example.net").state == RecipientState.ACTIVE
     drain()
@@ -313,7 +313,7 @@ def test_a_round_that_outlived_its_lease_does_not_overwrite_newer_results(
     accept("u@example.net")
     drain_categorize_only()
     link = Link.objects.get()
-    ids, old_lease = _claim(link.pk, 10)  # a slow round starts...
+    ids = _claim(link.pk, "slow-round", 10)  # a slow round starts...
     clock.advance(settings.MAILRELAY_DELIVERY_LEASE + timedelta(seconds=1))
     sweep()  # ...its lease runs out, the sweep takes the recipient back...
     drain()  # ...and another delivery delivers it
@@ -328,7 +328,7 @@ def test_a_round_that_outlived_its_lease_does_not_overwrite_newer_results(
         enhanced="4.3.0",
         text="late\x00reply",
     )
-    _record(Link.objects.get(), BatchResult([late], connected=True), old_lease)
+    _record(Link.objects.get(), BatchResult([late], connected=True), "slow-round")
     r = rcpt("u@example.net")
     assert r.state == RecipientState.DELIVERED  # the newer result stands
     assert Message.objects.get(pk=r.message_id).state == MessageState.DONE
@@ -341,7 +341,7 @@ def test_a_reply_with_nul_is_recorded_not_crashed_on(relay, sink_factory):
     relay.a("example.net", "127.0.0.2")
     accept("u@example.net")
     drain_categorize_only()
-    ids, lease = _claim(Link.objects.get().pk, 10)
+    ids = _claim(Link.objects.get().pk, "a-round", 10)
     odd = RecipientResult(
         recipient_id=ids[0],
         message_id=rcpt("u@example.net").message_id,
@@ -352,7 +352,7 @@ def test_a_reply_with_nul_is_recorded_not_crashed_on(relay, sink_factory):
         text="busy\x00now",
         host="mx\x00.example.net",
     )
-    _record(Link.objects.get(), BatchResult([odd], connected=True), lease)
+    _record(Link.objects.get(), BatchResult([odd], connected=True), "a-round")
     r = rcpt("u@example.net")
     assert r.state == RecipientState.DEFERRED
     assert r.last_text == "busy\ufffdnow"

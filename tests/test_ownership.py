@@ -1,0 +1,241 @@
+"""Ownership follows liveness: claims renewed by live owners, taken back from dead ones.
+
+In-process, with real sinks on loopback and real PostgreSQL. Tests about the
+lease itself shorten it; the real-process tests at the default settings are in
+tests/test_ownership_system.py and tests/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from delivery.categorize import _claim as claim_for_categorizer
+from delivery.categorize import _process, categorize_pending
+from delivery.deliver import deliver_link
+from delivery.ownership import Claim
+from delivery.sweep import reclaim, sweep
+from queues import clock
+from queues.models import (
+    Attempt,
+    DeliveryType,
+    Link,
+    Message,
+    MessageState,
+    Recipient,
+    RecipientState,
+)
+from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from tests.support.pipeline import drain
+
+BODY = b"From: a@example.org\r\nTo: x\r\nSubject: t\r\n\r\nbody\r\n"
+
+
+def accept(*rcpts: str, body: bytes = BODY) -> Message:
+    env = IncomingEnvelope(
+        mail_from="a@example.org",
+        recipients=[IncomingRecipient(r) for r in rcpts],
+        client_address="127.0.0.1",
+        client_helo="client.test",
+    )
+    return message_accept(env, body)
+
+
+@pytest.fixture
+def relay(dns_settings, settings, smtp_port):
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
+    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=10)
+    return dns_settings
+
+
+# --- exact poison counting -----------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_batch_whose_categorizer_died_is_not_blamed_on_every_message(relay, settings):
+    """A hard crash of a batch counts against nobody; its messages are then tried
+    one at a time, and only the one that keeps killing its worker goes to Poison."""
+    settings.MAILRELAY_POISON_THRESHOLD = 2
+    relay.a("example.net", "127.0.0.2")
+    messages = [accept(f"u{i}@example.net") for i in range(4)]
+    killer = messages[2]
+    lease = settings.MAILRELAY_DELIVERY_LEASE
+
+    # The whole batch is claimed, and the worker dies (nothing is written).
+    assert sorted(claim_for_categorizer("dies-with-batch", 10)) == [m.pk for m in messages]
+    assert set(Message.objects.values_list("crash_count", flat=True)) == {0}
+    clock.advance(lease + timedelta(seconds=1))
+    assert reclaim().messages_reclaimed == 4
+    assert set(Message.objects.values_list("isolate", flat=True)) == {True}
+
+    # From now on each is claimed alone. The killer kills its worker every time
+    # (twice: the threshold); the others are routed by the worker that took them.
+    crashes = 0
+    while crashes < 2:
+        ids = claim_for_categorizer("one-at-a-time", 10)
+        assert len(ids) == 1
+        if ids == [killer.pk]:
+            crashes += 1
+            clock.advance(lease + timedelta(seconds=1))
+            reclaim()
+        else:
+            _process(ids, "one-at-a-time")
+    assert Message.objects.get(pk=killer.pk).crash_count == 2
+    while categorize_pending():  # the third claim of the killer parks it
+        pass
+    innocent = Message.objects.exclude(pk=killer.pk)
+    assert set(innocent.values_list("state", flat=True)) == {MessageState.QUEUED}
+    assert set(innocent.values_list("crash_count", flat=True)) == {0}
+    assert not innocent.filter(suspended=True).exists()
+    killer = Message.objects.get(pk=killer.pk)
+    assert killer.suspended
+    assert Recipient.objects.get(message=killer).queue.delivery_type == DeliveryType.POISON
+    assert killer.events.filter(kind="poison").count() == 1
+
+
+@pytest.mark.django_db
+def test_a_batch_claim_counts_no_crash_and_a_claim_of_one_does(relay):
+    accept("a@example.net")
+    accept("b@example.net")
+    ids = claim_for_categorizer("batch", 10)
+    assert len(ids) == 2
+    assert list(Message.objects.values_list("crash_count", flat=True)) == [0, 0]
+    Message.objects.update(state=MessageState.SUBMISSION, lease_owner="", isolate=True)
+    assert len(claim_for_categorizer("alone", 10)) == 1
+    assert sorted(Message.objects.values_list("crash_count", flat=True)) == [0, 1]
+
+
+# --- renewal while working; loss of a claim ----------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_live_round_keeps_its_claim_past_the_lease_and_sends_one_copy(
+    relay, sink_factory, settings
+):
+    """A next hop slower than the lease: the owner renews while it waits, so the
+    sweep running all the while takes nothing back, and each message goes once."""
+    settings.MAILRELAY_DELIVERY_LEASE = timedelta(seconds=0.9)  # renewed every 0.3 s
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2", delays={"DATA": 1.2})
+    for i in range(3):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    stop = threading.Event()
+    reclaimed: list[int] = []
+
+    def sweeper() -> None:
+        from django.db import connection
+
+        try:
+            while not stop.is_set():
+                reclaimed.append(reclaim().recipients_reclaimed)
+                time.sleep(0.1)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=sweeper)
+    thread.start()
+    try:
+        started = time.monotonic()
+        assert deliver_link(link.pk) == 3
+        assert time.monotonic() - started > 3 * 0.9  # the round outlived its lease
+    finally:
+        stop.set()
+        thread.join()
+    assert sum(reclaimed) == 0
+    assert sorted(m.rcpt_tos[0] for m in sink.messages) == [f"u{i}@example.net" for i in range(3)]
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+    assert Attempt.objects.count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_that_loses_its_claim_stops_before_its_next_message(relay, sink_factory, settings):
+    """Another owner took the link meanwhile: the message in progress completes,
+    the next is never sent, and what was not tried waits again (not ACTIVE)."""
+    settings.MAILRELAY_DELIVERY_LEASE = timedelta(seconds=0.6)
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2", delays={"DATA": 0.5})
+    for i in range(4):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+
+    def steal() -> None:
+        from django.db import connection
+
+        try:
+            assert sink.wait_for(1, timeout=10)
+            Link.objects.filter(pk=link.pk).update(
+                lease_owner="someone-else", lease_until=clock.now() + timedelta(hours=1)
+            )
+        finally:
+            connection.close()
+
+    thief = threading.Thread(target=steal)
+    thief.start()
+    deliver_link(link.pk)
+    thief.join()
+    sent = len(sink.messages)
+    assert 1 <= sent < 4
+    states = list(Recipient.objects.values_list("state", flat=True))
+    assert states.count(RecipientState.DELIVERED) == sent
+    assert RecipientState.ACTIVE not in states
+    assert Attempt.objects.count() == sent
+    Link.objects.filter(pk=link.pk).update(lease_owner="", lease_until=None)
+    drain()
+    assert len(sink.messages) == 4
+    assert len({m.rcpt_tos[0] for m in sink.messages}) == 4
+
+
+def test_a_claim_that_cannot_be_renewed_for_a_lease_is_lost():
+    calls = []
+
+    def failing(until):
+        calls.append(until)
+        raise ConnectionError("database unreachable")
+
+    claim = Claim("test", failing, lease=timedelta(seconds=0.3))
+    claim.renew()
+    assert claim.held()  # one failure is not a loss
+    time.sleep(0.31)
+    claim.renew()
+    assert not claim.held()
+    assert len(calls) == 2
+
+
+def test_a_claim_whose_rows_were_taken_is_lost_at_once():
+    claim = Claim("test", lambda until: False, lease=timedelta(seconds=30))
+    claim.renew()
+    assert not claim.held()
+
+
+@pytest.mark.django_db
+def test_the_reclaim_takes_back_a_dead_round_and_rings_its_link(relay, sink_factory, settings):
+    from delivery.deliver import _claim
+
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    accept("u@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    Link.objects.acquire(link.pk, "dead-task", clock.now(), settings.MAILRELAY_DELIVERY_LEASE)
+    assert _claim(link.pk, "dead-task/1", 10)
+    assert reclaim().recipients_reclaimed == 0  # the lease still runs
+    clock.advance(settings.MAILRELAY_DELIVERY_LEASE + timedelta(seconds=1))
+    report = reclaim()
+    assert (report.recipients_reclaimed, report.links_reclaimed) == (1, 1)
+    assert report.links_rung == [link.pk]
+    r = Recipient.objects.get()
+    assert (r.state, r.lease_owner) == (RecipientState.QUEUED, "")
+    sweep()
+    drain()
+    assert len(sink.messages) == 1
