@@ -10,11 +10,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import F
 
 from delivery import bell, retry
-from delivery.ownership import Claim
+from delivery.ownership import Claim, while_connected
 from delivery.routing import Router
 from delivery.types import Route, RouteError
 from mailrelay import metrics
@@ -35,7 +35,7 @@ from queues.models import (
 )
 from queues.services.messages import messages_finish
 from queues.services.notify import notify
-from queues.services.routing import queue_for_route, special_queue
+from queues.services.placement import queue_for_route, special_queue
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class _Placement:
     recipient_ids: list[int] = field(default_factory=list)
 
 
-def _claim(owner: str, limit: int) -> list[int]:
+def claim_batch(owner: str, limit: int) -> list[int]:
     """Take up to ``limit`` due Submission messages (one, when it needs isolating)."""
     return Message.objects.claim_for_categorizer(
         owner, limit, clock.now(), settings.MAILRELAY_DELIVERY_LEASE
@@ -218,7 +218,7 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     """
     owner = owner or worker_id()
     limit = limit or settings.MAILRELAY_CATEGORIZER_BATCH
-    ids = _claim(owner, limit)
+    ids = claim_batch(owner, limit)
     if not ids:
         return 0
     threshold = settings.MAILRELAY_POISON_THRESHOLD
@@ -229,8 +229,12 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
         park_poison(sorted(poisoned))
         ids = [i for i in ids if i not in poisoned]
     links: set[int] = set()
+    claim = Claim(f"categorizer {owner}", lambda until: Message.objects.renew(owner, until) > 0)
     try:
-        links = _process(ids, owner)
+        # A database restart is waited out while the claim holds (not a crash).
+        links = while_connected(claim, lambda: _process(ids, owner, claim))
+    except (OperationalError, InterfaceError):
+        raise  # away for a whole lease: the reclaim hands the batch on
     except Exception:
         if len(ids) == 1:  # claimed alone: the claim counted this try already
             log.exception("categorizing message %s failed", ids[0])
@@ -240,7 +244,7 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
         # One bad message must not take its batch-mates down with it.
         for mid in ids if len(ids) > 1 else []:
             try:
-                links |= _process([mid], owner)
+                links |= _process([mid], owner, claim)
             except Exception:
                 log.exception("categorizing message %s failed", mid)
                 _release_after_crash(mid, count=True)
@@ -254,7 +258,7 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     return len(ids) + len(poisoned)
 
 
-def _process(ids: list[int], owner: str) -> set[int]:
+def _process(ids: list[int], owner: str, claim: Claim | None = None) -> set[int]:
     recipients = list(
         Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED).values_list(
             "id", "domain", "message_id"
@@ -263,7 +267,7 @@ def _process(ids: list[int], owner: str) -> set[int]:
     placements = _route_all(
         {domain for _, domain, _ in recipients},
         Router.from_settings(),
-        Claim(f"categorizer batch {owner}", lambda until: Message.objects.renew(owner, until) > 0),
+        claim,
     )
     with transaction.atomic():
         # Only messages still ours: had the claim expired, another categorizer

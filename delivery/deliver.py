@@ -7,9 +7,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -20,7 +18,7 @@ from django.db.models import F
 from delivery import retry
 from delivery import retryrules as rr
 from delivery.categorize import park_poison, worker_id
-from delivery.ownership import Claim, drop_connection
+from delivery.ownership import Claim, while_connected
 from delivery.routing import order_targets
 from delivery.smtp_client import ClientConfig, deliver
 from delivery.types import (
@@ -49,7 +47,7 @@ from queues.models import (
 from queues.services.hints import hints_clear, hints_load, hints_save
 from queues.services.messages import messages_finish
 from queues.services.notify import notify
-from queues.services.routing import special_queue
+from queues.services.placement import special_queue
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +69,7 @@ def link_has_due_work(link_id: int, now: datetime | None = None) -> bool:
     return Recipient.objects.due_on_link(link_id, now).exists()
 
 
-def _claim(link_id: int, owner: str, limit: int) -> list[int]:
+def claim_round(link_id: int, owner: str, limit: int) -> list[int]:
     """Lease up to ``limit`` due recipients (and MAILRELAY_DELIVERY_ROUND_BYTES of
     messages) to the round ``owner``; its results are written only to rows that
     still carry that owner (queues.transitions)."""
@@ -114,12 +112,8 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
 
 
 def _read_body(message_id: int) -> bytes:
-    """One message's stored bytes, on the owner's connection (replaced once if broken)."""
-    try:
-        data = Message.objects.filter(pk=message_id).values_list("data", flat=True).first()
-    except (OperationalError, InterfaceError):
-        drop_connection()
-        data = Message.objects.filter(pk=message_id).values_list("data", flat=True).first()
+    """One message's stored bytes, on the owner's connection."""
+    data = Message.objects.filter(pk=message_id).values_list("data", flat=True).first()
     if data is None:
         raise LookupError(f"message {message_id} is no longer stored")
     return bytes(data)
@@ -167,7 +161,7 @@ def _exchange(
             break
         message_id, future = item
         try:
-            future.set_result(_read_body(message_id))
+            future.set_result(while_connected(claim, lambda mid=message_id: _read_body(mid)))
         except Exception as exc:  # noqa: BLE001 - the client defers that message
             future.set_exception(exc)
         claim.renew_if_due()
@@ -501,7 +495,7 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
     Returns how many recipients the round claimed (0: nothing was due).
     """
     limit = config.max_connections * config.max_messages_per_connection
-    ids = _claim(link.pk, owner, limit)
+    ids = claim_round(link.pk, owner, limit)
     if not ids:
         return 0
     messages = _load_batch(ids)
@@ -524,7 +518,7 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
     else:
         batch = _exchange(targets, messages, config, claim)
     try:
-        _while_connected(claim, lambda: _record(link, batch, owner))
+        while_connected(claim, lambda: _record(link, batch, owner))
     except (OperationalError, InterfaceError):
         # The database stayed away for a whole lease: the rows are (or will
         # be) taken back by the sweep and tried again; nothing to write here.
@@ -535,25 +529,6 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
         log.exception("recording a delivery round of link %s failed", link.pk)
         _record_crash(owner)
     return len(ids)
-
-
-def _while_connected(claim: Claim, write: Callable[[], None]) -> None:
-    """Run ``write``; when the database connection breaks (PostgreSQL restarting),
-    reconnect and run it again for as long as the claim is held, so a restart
-    costs a moment, not a second copy of every message of the round."""
-    delay = 0.2
-    while True:
-        try:
-            write()
-            return
-        except (OperationalError, InterfaceError) as exc:
-            drop_connection()
-            claim.renew()  # keeps the claim across the outage, or finds it lost
-            if not claim.held():
-                raise
-            log.warning("database unavailable while recording (%s); retrying", exc)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
 
 def _record_crash(owner: str) -> None:

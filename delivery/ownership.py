@@ -29,9 +29,10 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from django.conf import settings
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 
 from queues import clock
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 # renew(until) -> False when the claim is gone (taken back by the sweep)
 Renew = Callable[[datetime], bool]
+T = TypeVar("T")
 
 
 def renewal_interval(lease: timedelta) -> float:
@@ -96,3 +98,23 @@ def drop_connection() -> None:
         connection.close()
     except Exception:  # noqa: BLE001 - closing a broken connection may fail too
         log.debug("closing a broken database connection failed", exc_info=True)
+
+
+def while_connected(claim: Claim, work: Callable[[], T]) -> T:
+    """Run ``work``; when the database connection breaks (PostgreSQL restarting),
+    reconnect and run it again for as long as the claim is held, renewing it,
+    so an outage shorter than a lease costs a moment, not the claim (and not a
+    second copy of what a round already sent). ``work`` must be safe to repeat:
+    one transaction, fenced by the owner token."""
+    delay = 0.2
+    while True:
+        try:
+            return work()
+        except (OperationalError, InterfaceError) as exc:
+            drop_connection()
+            claim.renew()  # keeps the claim across the outage, or finds it lost
+            if not claim.held():
+                raise
+            log.warning("database unavailable (%s); trying again in %.1fs", exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -10,7 +10,15 @@ needs three things aiosmtplib does not give cheaply:
   their replies are read in order, so a message costs two round trips;
 - low CPU per message (the relay must pass several hundred messages a
   second on two cores): one ``bytes.replace`` for dot-stuffing, one write
-  for the command group, one for the body.
+  for the command group, a few large writes for the body.
+
+It must also survive hostile peers: a reply is capped (``MAX_REPLY_LINES``,
+``MAX_REPLY_BYTES``, ``READ_LIMIT`` per line) and anything past the cap is a
+protocol failure that closes the connection, so a peer can cost a worker a
+bounded amount of memory only. Bodies can be read just in time
+(``deliver(load_body=...)``) so a round holds at most one per connection,
+and a round that lost its recipients (``still_owner()``) stops before its
+next message.
 
 The client never raises for network problems: every exception becomes a
 ``RecipientResult`` (see ``delivery.classify`` for how replies are judged).
@@ -27,8 +35,8 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import NamedTuple, Protocol
 
@@ -50,8 +58,23 @@ CRLF = b"\r\n"
 MIN_DATA_TIMEOUT = 600.0
 # How long a polite QUIT may hold a finished connection.
 QUIT_TIMEOUT = 5.0
-# Longest reply line we accept (RFC 5321 allows 512; be liberal).
+# Longest reply line we accept (RFC 5321 allows 512; be liberal). The
+# StreamReader raises once its buffer holds this much without a newline, so a
+# line that never ends costs at most about twice this.
 READ_LIMIT = 64 * 1024
+# Longest reply we accept, in lines and in bytes (line ends included). Real
+# EHLO replies have a dozen lines; without a cap a peer sending endless
+# "250-" lines grows the worker until the command timeout (~150 MB/s).
+MAX_REPLY_LINES = 100
+MAX_REPLY_BYTES = 64 * 1024
+# The body goes out in slices of this size, each written once the previous
+# one has drained: the transport copies what the socket did not take at once,
+# so this bounds that copy instead of duplicating the whole message.
+WRITE_CHUNK = 1024 * 1024
+END_MARK = b".\r\n"
+# Enhanced code for a reply we could not parse or would not read (RFC 3463:
+# 4.5.0 other or undefined protocol status).
+PROTOCOL_ENHANCED = c.PROTOCOL_ERROR_ENHANCED
 END_OF_DATA = "end of data"
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
@@ -102,7 +125,14 @@ def _seconds(value: timedelta | float | int) -> float:
 
 
 def dot_stuff(data: bytes) -> bytes:
-    """The body as it goes on the wire after DATA, final ``.CRLF`` included.
+    """The body as it goes on the wire after DATA, final ``.CRLF`` included
+    (the client itself writes ``stuffed(data)`` and ``END_MARK`` separately,
+    saving a copy of the body)."""
+    return stuffed(data) + END_MARK
+
+
+def stuffed(data: bytes) -> bytes:
+    """The body as it goes on the wire after DATA, without the final ``.CRLF``.
 
     ``data`` should be CRLF-normalised already; if a bare CR or LF slipped
     through anyway it is made a CRLF here, so that no receiver can read a
@@ -117,7 +147,8 @@ def dot_stuff(data: bytes) -> bytes:
         data += CRLF
     if data.startswith(b"."):
         data = b"." + data
-    return data.replace(b"\r\n.", b"\r\n..") + b".\r\n"
+    # Returns ``data`` itself (no copy) when no line starts with a dot.
+    return data.replace(b"\r\n.", b"\r\n..")
 
 
 def _split_groups(messages: Sequence[OutboundMessage], size: int) -> list[list[OutboundMessage]]:
@@ -141,7 +172,7 @@ def _unsafe(value: str) -> bool:
     return "\r" in value or "\n" in value or "\0" in value
 
 
-def _needs_smtputf8(msg: OutboundMessage) -> bool:
+def _needs_smtputf8(msg: OutboundMessage, data: bytes) -> bool:
     """True when the message cannot go to a peer without SMTPUTF8: a non-ASCII
     envelope address, or a non-ASCII header in a message declared SMTPUTF8."""
     if not msg.mail_from.isascii():
@@ -149,8 +180,8 @@ def _needs_smtputf8(msg: OutboundMessage) -> bool:
     if any(not r.address.isascii() for r in msg.recipients):
         return True
     if msg.smtputf8:
-        end = msg.data.find(b"\r\n\r\n")
-        headers = msg.data if end < 0 else msg.data[:end]
+        end = data.find(b"\r\n\r\n")
+        headers = data if end < 0 else data[:end]  # a copy of the header only
         return not headers.isascii()
     return False
 
@@ -193,19 +224,33 @@ class _Reply(NamedTuple):
 
 
 class _SessionFailed(Exception):
-    """The session cannot go on: no reply (lost, timeout) or a 421."""
+    """The session cannot go on: no reply (lost, timeout, protocol error) or a 421."""
 
     def __init__(
-        self, phase: str, code: int | None, text: str, note: str = "", error: str = ""
+        self,
+        phase: str,
+        code: int | None,
+        text: str,
+        note: str = "",
+        error: str = "",
+        enhanced: str = "",
     ) -> None:
         super().__init__(text)
         self.phase = phase
         self.code = code
         self.text = text
-        # Exim error name when no reply came: "timeout" or "lost_connection"
+        # Exim error name when no reply came: "timeout" or "lost_connection";
+        # "" for a protocol error (Exim names none; only "*" rules match it)
         self.error = error
         # Added for the message in progress only, not for those never sent.
         self.note = note
+        # Enhanced code overriding the one classify() picks ("" = keep it).
+        self.enhanced = enhanced
+
+    @property
+    def protocol(self) -> bool:
+        """The peer broke the protocol (a reply too long or malformed)."""
+        return self.enhanced == PROTOCOL_ENHANCED
 
 
 @dataclass(slots=True)
@@ -217,6 +262,7 @@ class _Failure:
     text: str
     target: Target
     error: str = ""  # Exim error name (see delivery.types.HostFailure)
+    enhanced: str = ""  # overrides the classified enhanced code when set
 
     def describe(self) -> str:
         t = self.target
@@ -299,9 +345,12 @@ class _Recorder:
         for rcpt in rcpts:
             self.set(rcpt, phase, code, text, cls)
 
-    def fill(self, phase: str, code: int | None, text: str) -> None:
-        """Give every recipient without a result this one."""
+    def fill(self, phase: str, code: int | None, text: str, enhanced: str = "") -> None:
+        """Give every recipient without a result this one (``enhanced``
+        overrides the classified enhanced status code when given)."""
         cls = c.classify(phase, code, text)
+        if enhanced:
+            cls = replace(cls, enhanced=enhanced)
         self.set_many(
             [r for r in self.msg.recipients if r.id not in self.decided], phase, code, text, cls
         )
@@ -336,18 +385,29 @@ class _Connection:
     # Reading and writing --------------------------------------------------------
 
     async def _read_reply(self) -> _Reply:
+        """One reply, at most MAX_REPLY_LINES lines and MAX_REPLY_BYTES bytes
+        (each line at most READ_LIMIT); past that, ``_ProtocolError``."""
         lines: list[str] = []
+        size = 0
         while True:
-            line = await self.reader.readline()
+            try:
+                line = await self.reader.readline()
+            except ValueError as exc:  # LimitOverrunError: READ_LIMIT and no newline
+                raise _ProtocolError(f"reply line longer than {READ_LIMIT} bytes") from exc
             if not line.endswith(b"\n"):
                 raise ConnectionResetError("connection closed by peer")
             code = line[:3]
             sep = line[3:4]
             if not code.isdigit() or sep not in (b" ", b"-", b"\r", b"\n"):
                 raise _ProtocolError(f"malformed reply {line[:80]!r}")
+            size += len(line)
+            if size > MAX_REPLY_BYTES:
+                raise _ProtocolError(f"reply longer than {MAX_REPLY_BYTES} bytes")
             lines.append(line[4:].rstrip(b"\r\n").decode("utf-8", "replace"))
             if sep != b"-":
                 return _Reply(int(code), lines)
+            if len(lines) >= MAX_REPLY_LINES:
+                raise _ProtocolError(f"reply longer than {MAX_REPLY_LINES} lines")
 
     async def reply(self, waiting_for: str) -> _Reply:
         self.waiting_for = waiting_for
@@ -378,6 +438,9 @@ class _Connection:
             text = f"lost connection while waiting for reply to {self.waiting_for}: {why}"
         # The peer may have taken the message before the reply was lost.
         note = " (the message may be delivered twice)" if self.waiting_for == END_OF_DATA else ""
+        if isinstance(exc, _ProtocolError):
+            # We close the connection, not the peer: no Exim name fits.
+            return _SessionFailed(phase, None, text, note, "", PROTOCOL_ENHANCED)
         error = "timeout" if isinstance(exc, TimeoutError) else "lost_connection"
         return _SessionFailed(phase, None, text, note, error)
 
@@ -446,15 +509,39 @@ class _Connection:
             raise _SessionFailed(c.SESSION, r.code, r.text)
         self.need_rset = False
 
-    async def send(self, msg: OutboundMessage, rec: _Recorder) -> None:
+    async def _body(self, msg: OutboundMessage, load_body: LoadBody | None) -> bytes:
+        """The message's bytes: given, or read now through ``load_body``."""
+        if msg.data is not None:
+            return msg.data
+        if load_body is None:
+            raise LookupError("no body given and no load_body to read it")
+        return await load_body(msg)
+
+    async def _write_body(self, data: bytes) -> None:
+        """Write the dot-stuffed body in WRITE_CHUNK slices, then the final dot.
+        The slices are views (no copy); waiting for each to drain keeps the
+        transport's own copy of what the socket has not taken to one slice."""
+        wire = stuffed(data)
+        with memoryview(wire) as view:
+            for start in range(0, len(view), WRITE_CHUNK):
+                self.writer.write(view[start : start + WRITE_CHUNK])
+                await self.writer.drain()
+        self.writer.write(END_MARK)
+        await self.writer.drain()
+
+    async def send(
+        self, msg: OutboundMessage, rec: _Recorder, load_body: LoadBody | None = None
+    ) -> None:
         """Send one message; put a result for each recipient in ``rec``.
 
         Raises ``_SessionFailed`` when the session breaks (no reply or 421):
         results already in ``rec`` stand, the caller fills in the rest.
 
         Steps:
-        1. checks made without the peer: SIZE limit (5.3.4), SMTPUTF8 needed
-           but not offered (5.6.7), CR/LF in an address (5.1.7 / 5.1.3);
+        1. checks made without the peer: CR/LF in an address (5.1.7 / 5.1.3);
+           then the body is read (``load_body`` when ``msg.data`` is None; a
+           failure defers the message, 4.3.0) for the SIZE limit (5.3.4) and
+           SMTPUTF8 needed but not offered (5.6.7);
         2. build MAIL with SIZE, BODY, SMTPUTF8, RET, ENVID (each only when
            the peer offers the extension) and RCPT with NOTIFY, ORCPT (DSN);
         3. with PIPELINING write MAIL, every RCPT and DATA at once, else one
@@ -469,26 +556,6 @@ class _Connection:
         """
         ext = self.extensions
         host = self.target.host
-        limit = self.size_limit()
-        if limit and len(msg.data) > limit:
-            rec.set_many(
-                msg.recipients,
-                c.MAIL,
-                None,
-                f"message size {len(msg.data)} exceeds size limit {limit} of {host}",
-                c.classify_local(c.MAIL, "5.3.4"),
-            )
-            return
-        utf8 = _needs_smtputf8(msg)
-        if utf8 and "SMTPUTF8" not in ext:
-            rec.set_many(
-                msg.recipients,
-                c.MAIL,
-                None,
-                f"{host} does not support SMTPUTF8, which this message needs",
-                c.classify_local(c.MAIL, "5.6.7"),
-            )
-            return
         if _unsafe(msg.mail_from) or _unsafe(msg.envid) or _unsafe(msg.ret):
             rec.set_many(
                 msg.recipients,
@@ -498,11 +565,43 @@ class _Connection:
                 c.classify_local(c.MAIL, "5.1.7"),
             )
             return
+        try:
+            data = await self._body(msg, load_body)
+        except Exception as exc:  # noqa: BLE001 - that message waits, the session goes on
+            log.warning("cannot read the body of message %s: %r", msg.id, exc)
+            rec.set_many(
+                msg.recipients,
+                c.MAIL,
+                None,
+                f"cannot read the message body: {exc}",
+                c.classify_local(c.MAIL, "4.3.0"),
+            )
+            return
+        limit = self.size_limit()
+        if limit and len(data) > limit:
+            rec.set_many(
+                msg.recipients,
+                c.MAIL,
+                None,
+                f"message size {len(data)} exceeds size limit {limit} of {host}",
+                c.classify_local(c.MAIL, "5.3.4"),
+            )
+            return
+        utf8 = _needs_smtputf8(msg, data)
+        if utf8 and "SMTPUTF8" not in ext:
+            rec.set_many(
+                msg.recipients,
+                c.MAIL,
+                None,
+                f"{host} does not support SMTPUTF8, which this message needs",
+                c.classify_local(c.MAIL, "5.6.7"),
+            )
+            return
 
         dsn = "DSN" in ext
         mail = "MAIL FROM:<" + msg.mail_from + ">"
         if "SIZE" in ext:
-            mail += f" SIZE={len(msg.data)}"
+            mail += f" SIZE={len(data)}"
         body = msg.body_type.upper()
         if body in ("7BIT", "8BITMIME") and "8BITMIME" in ext:
             mail += " BODY=" + body
@@ -590,10 +689,15 @@ class _Connection:
         self.waiting_for = END_OF_DATA
         try:
             async with asyncio.timeout(self.config.data_timeout):
-                # The peer said 354 with no recipient accepted (it should not,
-                # RFC 2920 §3.1): end the empty transaction with a lone dot.
-                write(dot_stuff(msg.data) if accepted else b".\r\n")
-                await self.writer.drain()
+                if accepted:
+                    await self._write_body(data)
+                else:
+                    # The peer said 354 with no recipient accepted (it should
+                    # not, RFC 2920 §3.1): end the empty transaction with a lone dot.
+                    write(END_MARK)
+                    await self.writer.drain()
+                # The final reply may take minutes: hold no body while waiting.
+                del data
                 r = await self.reply(END_OF_DATA)
         except Exception as exc:  # noqa: BLE001
             raise self.lost(exc, c.SESSION, self.config.data_timeout) from exc
@@ -647,16 +751,45 @@ class _TargetState:
     tls_broken: bool = False
 
 
+StillOwner = Callable[[], bool]
+LoadBody = Callable[[OutboundMessage], Awaitable[bytes]]
+
+
 class _Batch:
-    def __init__(self, targets: Sequence[Target], config: ClientConfig) -> None:
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        config: ClientConfig,
+        still_owner: StillOwner | None = None,
+        load_body: LoadBody | None = None,
+    ) -> None:
         self.targets = list(targets)
         self.config = config
+        self.still_owner = still_owner
+        self.load_body = load_body
+        # still_owner() said False once: nothing new starts from then on.
+        self.abandoned = False
         self.states = [_TargetState() for _ in self.targets]
         self.results: list[RecipientResult] = []
         self.connected = False
         self.last_failure: _Failure | None = None
         self.connection_error = ""
         self.host_failures: list[HostFailure] = []
+
+    def owner(self) -> bool:
+        """Whether the round may start something new (a connection, a message).
+        Once it may not, it never may again: the recipients have a new owner."""
+        if self.abandoned or self.still_owner is None:
+            return not self.abandoned
+        try:
+            owner = self.still_owner()
+        except Exception:  # a broken check must not send a second copy: assume lost
+            log.exception("still_owner() failed; the round stops as if it lost ownership")
+            owner = False
+        if not owner:
+            log.info("delivery round lost ownership of its recipients; stopping")
+            self.abandoned = True
+        return not self.abandoned
 
     def candidates(self) -> Iterator[tuple[int, bool]]:
         """(target index, use STARTTLS) in the order to try them; lazy, so a
@@ -731,8 +864,13 @@ class _Batch:
                     raise
             return conn
         except _SessionFailed as exc:
+            if exc.protocol:
+                # It would do the same to every connection of this batch.
+                state.dead = True
             await _discard(conn, polite=exc.code is not None)
-            return self._fail(_Failure(exc.phase, exc.code, exc.text, target, exc.error))
+            return self._fail(
+                _Failure(exc.phase, exc.code, exc.text, target, exc.error, exc.enhanced)
+            )
         except Exception as exc:  # a bug must not escape as an exception
             log.exception("unexpected error opening %s", target.host)
             conn.abort()
@@ -760,14 +898,15 @@ class _Batch:
         group_t0 = time.monotonic()
         failure: _Failure | None = None
         for index, use_tls in self.candidates():
-            if not remaining:
+            if not remaining or not self.owner():
                 break
             opened = await self.open(index, use_tls)
             if isinstance(opened, _Failure):
                 failure = opened
                 continue
             failure = await self._session(opened, remaining)
-        if remaining:
+        # Messages never started get no result once the round lost ownership.
+        if remaining and self.owner():
             self._defer_remaining(remaining, failure, group_started, group_t0)
 
     async def _session(
@@ -775,7 +914,7 @@ class _Batch:
     ) -> _Failure | None:
         rec: _Recorder | None = None
         try:
-            while remaining:
+            while remaining and self.owner():
                 if conn.need_rset:
                     await conn.rset()
                 rec = _Recorder(
@@ -785,7 +924,7 @@ class _Batch:
                     time.monotonic(),
                     peer_dsn="DSN" in conn.extensions,
                 )
-                await conn.send(remaining[0], rec)
+                await conn.send(remaining[0], rec, self.load_body)
                 self.results.extend(rec.results())
                 remaining.popleft()
                 rec = None
@@ -794,10 +933,12 @@ class _Batch:
         except _SessionFailed as exc:
             conn.abort()
             if rec is not None:
-                rec.fill(exc.phase, exc.code, exc.text + exc.note)
+                rec.fill(exc.phase, exc.code, exc.text + exc.note, exc.enhanced)
                 self.results.extend(rec.results())
                 remaining.popleft()
-            return self._fail(_Failure(exc.phase, exc.code, exc.text, conn.target))
+            return self._fail(
+                _Failure(exc.phase, exc.code, exc.text, conn.target, exc.error, exc.enhanced)
+            )
         except Exception as exc:  # a bug must not lose results or escape
             log.exception("unexpected error delivering to %s", conn.target.host)
             conn.abort()
@@ -824,7 +965,7 @@ class _Batch:
         self.connection_error = failure.describe()
         for msg in remaining:
             rec = _Recorder(msg, failure.target, started, t0)
-            rec.fill(failure.phase, failure.code, failure.text)
+            rec.fill(failure.phase, failure.code, failure.text, failure.enhanced)
             self.results.extend(rec.results())
         remaining.clear()
 
@@ -848,26 +989,43 @@ async def _discard(conn: _Connection, *, polite: bool) -> None:
 
 
 async def deliver(
-    targets: Sequence[Target], messages: Sequence[OutboundMessage], config: ClientConfig
+    targets: Sequence[Target],
+    messages: Sequence[OutboundMessage],
+    config: ClientConfig,
+    *,
+    still_owner: StillOwner | None = None,
+    load_body: LoadBody | None = None,
 ) -> BatchResult:
     """Deliver ``messages`` to one destination, trying ``targets`` in order.
+
+    ``still_owner()`` (cheap, synchronous) is asked before opening each
+    connection and before starting each message; once it says False the
+    message in progress completes its transaction, the session QUITs, the
+    messages not started get no result at all and ``abandoned`` is set.
+
+    ``load_body(msg)`` gives the bytes of a message whose ``data`` is None;
+    it is awaited when that message is about to be sent (the bytes are
+    needed for MAIL's SIZE and the SMTPUTF8 check) and the bytes are dropped
+    when its transaction is over: at most one body per open connection. When
+    it raises, that message is deferred (4.3.0) and the session goes on.
 
     Steps:
     1. split the messages into balanced groups of at most
        ``max_messages_per_connection``, one group per connection;
     2. run up to ``max_connections`` connections at once, each taking the
-       next group while groups remain (``_Batch.run_group``);
-    3. return one result per recipient of every message, whether any
-       connection got a 2xx greeting, and the last connection error when
-       some messages found no usable target.
+       next group while groups remain and the round is still the owner
+       (``_Batch.run_group``);
+    3. return one result per recipient of every message attempted (of every
+       message unless abandoned), whether any connection got a 2xx greeting,
+       and the last connection error when some messages found no usable target.
 
     Never raises for network problems; cancellation propagates.
     """
-    batch = _Batch(targets, config)
+    batch = _Batch(targets, config, still_owner, load_body)
     groups = deque(_split_groups(messages, config.max_messages_per_connection))
 
     async def worker() -> None:
-        while groups:
+        while groups and batch.owner():
             await batch.run_group(groups.popleft())
 
     workers = min(max(1, config.max_connections), len(groups))
@@ -878,4 +1036,5 @@ async def deliver(
         connected=batch.connected,
         connection_error=batch.connection_error,
         host_failures=batch.host_failures,
+        abandoned=batch.abandoned,
     )

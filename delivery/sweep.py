@@ -32,7 +32,7 @@ from queues.models import (
 from queues.services.counts import queues_recount
 from queues.services.messages import messages_finish
 from queues.services.notify import notify
-from queues.services.routing import special_queue
+from queues.services.placement import special_queue
 
 log = logging.getLogger(__name__)
 

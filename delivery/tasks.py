@@ -9,6 +9,7 @@ from celery import shared_task
 from delivery import bell
 from delivery.categorize import categorize_pending
 from delivery.deliver import deliver_link as deliver_link_now
+from delivery.sweep import reclaim as reclaim_now
 from delivery.sweep import sweep as sweep_now
 
 # A categorize task hands over to a fresh task after this long, so one
@@ -39,3 +40,10 @@ def deliver_link(link_id: int) -> int:
 def sweep() -> dict:
     report = sweep_now()
     return {"links_rung": len(report.links_rung), "purged": report.purged}
+
+
+@shared_task(name="delivery.tasks.reclaim")
+def reclaim() -> dict:
+    """Take back the claims of dead owners and ring for their work (delivery.ownership)."""
+    report = reclaim_now()
+    return {"recipients": report.recipients_reclaimed, "messages": report.messages_reclaimed}

@@ -70,7 +70,9 @@ class OutboundRecipient:
 class OutboundMessage:
     id: int
     mail_from: str
-    data: bytes
+    # The stored bytes, or None when the client should read them just in time
+    # through ``deliver(load_body=...)`` (so a round holds one body per connection).
+    data: bytes | None
     recipients: list[OutboundRecipient]
     body_type: str = ""
     smtputf8: bool = False
@@ -123,3 +125,6 @@ class BatchResult:
     # the last per-connection error when every host failed (for the link)
     connection_error: str = ""
     host_failures: list[HostFailure] = field(default_factory=list)
+    # True when ``still_owner()`` said the round lost its recipients: the
+    # messages not started then have no result at all (another owner has them).
+    abandoned: bool = False

@@ -30,3 +30,13 @@ def _schedule_sweep(sender: Celery, **kwargs: object) -> None:
         sender.signature("delivery.tasks.sweep"),
         name="sweep due and orphaned work",
     )
+    # Dead owners' claims are taken back every third of the lease (at most every
+    # sweep interval): a killed worker's mail moves on within about a lease.
+    sender.add_periodic_task(
+        min(
+            settings.MAILRELAY_SWEEP_INTERVAL.total_seconds(),
+            settings.MAILRELAY_DELIVERY_LEASE.total_seconds() / 3,
+        ),
+        sender.signature("delivery.tasks.reclaim"),
+        name="reclaim the claims of dead owners",
+    )

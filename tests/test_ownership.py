@@ -13,8 +13,8 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.categorize import _claim as claim_for_categorizer
 from delivery.categorize import _process, categorize_pending
+from delivery.categorize import claim_batch as claim_for_categorizer
 from delivery.deliver import deliver_link
 from delivery.ownership import Claim
 from delivery.sweep import reclaim, sweep
@@ -219,7 +219,7 @@ def test_a_claim_whose_rows_were_taken_is_lost_at_once():
 
 @pytest.mark.django_db
 def test_the_reclaim_takes_back_a_dead_round_and_rings_its_link(relay, sink_factory, settings):
-    from delivery.deliver import _claim
+    from delivery.deliver import claim_round
 
     relay.a("example.net", "127.0.0.2")
     sink = sink_factory("127.0.0.2")
@@ -228,7 +228,7 @@ def test_the_reclaim_takes_back_a_dead_round_and_rings_its_link(relay, sink_fact
         pass
     link = Link.objects.get()
     Link.objects.acquire(link.pk, "dead-task", clock.now(), settings.MAILRELAY_DELIVERY_LEASE)
-    assert _claim(link.pk, "dead-task/1", 10)
+    assert claim_round(link.pk, "dead-task/1", 10)
     assert reclaim().recipients_reclaimed == 0  # the lease still runs
     clock.advance(settings.MAILRELAY_DELIVERY_LEASE + timedelta(seconds=1))
     report = reclaim()
@@ -239,3 +239,41 @@ def test_the_reclaim_takes_back_a_dead_round_and_rings_its_link(relay, sink_fact
     sweep()
     drain()
     assert len(sink.messages) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_survives_its_database_connection_being_cut(relay, sink_factory):
+    """The owner's PostgreSQL session is terminated while the peer holds the
+    final dot (as a database restart would): the owner reconnects, renews,
+    records every attempt, and nothing is sent twice."""
+    from django.db import connection
+
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2", delays={"DATA": 1.0})
+    for i in range(3):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (owner_pid,) = cursor.fetchone()
+
+    def cut() -> None:
+        from django.db import connection as own
+
+        try:
+            assert sink.wait_until(lambda: "DATA" in sink.verbs(), timeout=10)
+            with own.cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [owner_pid])
+                assert cursor.fetchone()[0]
+        finally:
+            own.close()
+
+    cutter = threading.Thread(target=cut)
+    cutter.start()
+    assert deliver_link(link.pk) == 3
+    cutter.join()
+    assert sorted(m.rcpt_tos[0] for m in sink.messages) == [f"u{i}@example.net" for i in range(3)]
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+    assert Attempt.objects.count() == 3

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.deliver import _claim
+from delivery.deliver import claim_round
 from delivery.sweep import sweep
 from queues import clock
 from queues.models import (
@@ -237,7 +237,7 @@ def test_the_sweep_takes_back_recipients_of_a_dead_delivery(relay, sink_factory,
     while drain_categorize_only():
         pass
     link = Link.objects.get()
-    claimed = _claim(link.pk, "dead-round", 10)  # a worker claims it and dies before sending
+    claimed = claim_round(link.pk, "dead-round", 10)  # a worker claims it and dies before sending
     assert claimed
     assert rcpt("u@example.net").state == RecipientState.ACTIVE
     drain()
@@ -259,7 +259,7 @@ def test_it_parks_a_message_that_keeps_crashing_the_categorizer(relay, settings)
     settings.MAILRELAY_POISON_THRESHOLD = 2
     relay.a("example.net", "127.0.0.2")
     message = accept("u@example.net")
-    from delivery.categorize import _claim as claim_for_categorizer
+    from delivery.categorize import claim_batch as claim_for_categorizer
 
     for _ in range(2):  # the worker dies twice while categorizing it
         assert claim_for_categorizer("dying-worker", 10) == [message.pk]
@@ -313,7 +313,7 @@ def test_a_round_that_outlived_its_lease_does_not_overwrite_newer_results(
     accept("u@example.net")
     drain_categorize_only()
     link = Link.objects.get()
-    ids = _claim(link.pk, "slow-round", 10)  # a slow round starts...
+    ids = claim_round(link.pk, "slow-round", 10)  # a slow round starts...
     clock.advance(settings.MAILRELAY_DELIVERY_LEASE + timedelta(seconds=1))
     sweep()  # ...its lease runs out, the sweep takes the recipient back...
     drain()  # ...and another delivery delivers it
@@ -341,7 +341,7 @@ def test_a_reply_with_nul_is_recorded_not_crashed_on(relay, sink_factory):
     relay.a("example.net", "127.0.0.2")
     accept("u@example.net")
     drain_categorize_only()
-    ids = _claim(Link.objects.get().pk, "a-round", 10)
+    ids = claim_round(Link.objects.get().pk, "a-round", 10)
     odd = RecipientResult(
         recipient_id=ids[0],
         message_id=rcpt("u@example.net").message_id,

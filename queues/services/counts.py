@@ -30,7 +30,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.routing import special_queue
+from queues.services.placement import special_queue
 
 SAMPLE_RETENTION = timedelta(hours=2)
 HISTORY_WINDOW = timedelta(hours=1)

@@ -1,4 +1,4 @@
-"""Queue and link lookup for the categorizer."""
+"""Where recipients are placed: delivery queues and their links, and the special queues."""
 
 from __future__ import annotations
 
