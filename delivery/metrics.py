@@ -36,7 +36,6 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from mailrelay import env
 from queues import clock
 from queues.models import (
     WAITING_RECIPIENT_STATES,
@@ -270,7 +269,12 @@ class _Default(Collector):
 
 
 def scrape_registry(multiproc_dir: str | None = None) -> CollectorRegistry:
-    """The registry one scrape reads: counters (summed over processes) + database facts."""
+    """The registry one scrape reads: counters (summed over processes) + database facts.
+
+    ``PROMETHEUS_MULTIPROC_DIR`` is prometheus_client's own variable, not a
+    mailrelay setting: the counters of every process write where the library
+    reads it from the environment, so the scrape reads the same variable.
+    """
     path = (
         multiproc_dir if multiproc_dir is not None else os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     )
@@ -287,14 +291,9 @@ def scrape_registry(multiproc_dir: str | None = None) -> CollectorRegistry:
 # --------------------------------------------------------------------------- the view
 
 
-def _token() -> str:
-    value = getattr(settings, "MAILRELAY_METRICS_TOKEN", None)
-    return env.env_str("MAILRELAY_METRICS_TOKEN", "") if value is None else value
-
-
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    token = _token()
+    token = settings.MAILRELAY_METRICS_TOKEN
     if token:
         given = request.headers.get("Authorization", "")
         scheme, _, credentials = given.partition(" ")

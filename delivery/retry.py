@@ -94,7 +94,8 @@ def exchange_rules_text() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _options() -> RetryOptions:
+def options() -> RetryOptions:
+    """The retry options from the settings (Exim's retry_interval_max, …)."""
     return RetryOptions(
         retry_interval_max=settings.MAILRELAY_RETRY_INTERVAL_MAX,
         retry_data_expire=settings.MAILRELAY_RETRY_DATA_EXPIRE,
@@ -121,13 +122,13 @@ def _settings_key() -> tuple:
 
 @lru_cache(maxsize=8)
 def _rules_for(key: tuple) -> RetryRules:
-    options = _options()
-    compiled = parse_rules(exchange_rules_text(), source="Exchange settings", options=options)
+    active = options()
+    compiled = parse_rules(exchange_rules_text(), source="Exchange settings", options=active)
     path = key[0]
     if not path:
         return compiled
-    own = load_rules(path, options=options)
-    return RetryRules(own.rules + compiled.rules, options, f"{path} + Exchange settings")
+    own = load_rules(path, options=active)
+    return RetryRules(own.rules + compiled.rules, active, f"{path} + Exchange settings")
 
 
 def rules() -> RetryRules:

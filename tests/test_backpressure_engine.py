@@ -3,12 +3,14 @@ hysteresis, history depth, tarpit start/step/max, and who is refused."""
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import timedelta
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from delivery.backpressure.config import DEFAULTS, BackPressureConfig
+from delivery.backpressure.config import BackPressureConfig
 from delivery.backpressure.engine import (
     ACCEPT,
     GiB,
@@ -27,14 +29,27 @@ from delivery.backpressure.engine import (
     private_bytes_high_percent,
     resolve_thresholds,
 )
+from tests.support.environment import settings_from_environment
 
 N, M, H = Level.NORMAL, Level.MEDIUM, Level.HIGH
 TiB = 1024 * GiB
 
 
+# Exchange's defaults (normal, medium, high, history depth; a percentage of 0 = the formula),
+# written out here so that a changed default in mailrelay/settings.py fails a test.
+EXCHANGE = {
+    Resource.DATABASE_DISK_SPACE: ResourceConfig(0, 0, 0, None),
+    Resource.LOG_DISK_SPACE: ResourceConfig(0, 0, 0, None),
+    Resource.VERSION_BUCKETS: ResourceConfig(80, 120, 200, 10),
+    Resource.BATCH_POINTS: ResourceConfig(1000, 2000, 4000, 300),
+    Resource.PRIVATE_BYTES: ResourceConfig(0, 0, 0, 30),
+    Resource.PHYSICAL_MEMORY: ResourceConfig(0, 0, 94, None),
+    Resource.SUBMISSION_QUEUE: ResourceConfig(2000, 4000, 10000, 300),
+}
+
+
 def exchange(resource: Resource) -> ResourceConfig:
-    normal, medium, high, depth = DEFAULTS[resource]
-    return ResourceConfig(normal, medium, high, depth)
+    return EXCHANGE[resource]
 
 
 # ----------------------------------------------------------------- thresholds
@@ -273,7 +288,9 @@ def test_private_bytes_refuse_untrusted_only_after_their_history_depth():
 
 
 def test_high_refuses_everyone_at_once_even_for_a_tarpit_resource():
-    tracker = ResourceTracker(Resource.SUBMISSION_QUEUE, exchange(Resource.SUBMISSION_QUEUE))
+    tracker = ResourceTracker(
+        Resource.SUBMISSION_QUEUE, EXCHANGE[Resource.SUBMISSION_QUEUE], TARPIT
+    )
     tracker.observe(Sample(10000))
     assert tracker.action.value == "refuse all"
 
@@ -291,7 +308,9 @@ def test_an_unreadable_resource_is_not_monitored_and_takes_no_action():
 
 
 def test_level_changes_are_reported_once_each():
-    tracker = ResourceTracker(Resource.SUBMISSION_QUEUE, exchange(Resource.SUBMISSION_QUEUE))
+    tracker = ResourceTracker(
+        Resource.SUBMISSION_QUEUE, EXCHANGE[Resource.SUBMISSION_QUEUE], TARPIT
+    )
     changes = []
     for reading in (0, 4000, 5000, 10000, 3000, 1000, 1000):
         transition = tracker.observe(Sample(reading))
@@ -371,17 +390,38 @@ def test_settings_shrink_intervals_and_override_thresholds(settings):
     assert config.node == "mx1"
 
 
-def test_settings_default_to_exchange_and_may_come_from_the_environment(settings, monkeypatch):
-    for name in ("MAILRELAY_BP_BATCH_POINTS_HIGH", "MAILRELAY_BP_TARPIT_MAX"):
-        delattr(settings, name)  # read from the environment, as before settings.py names it
-    monkeypatch.setenv("MAILRELAY_BP_BATCH_POINTS_HIGH", "5000")
-    monkeypatch.setenv("MAILRELAY_BP_TARPIT_MAX", "00:01:00")
+def test_settings_default_to_exchange(settings, monkeypatch):
+    settings_from_environment(settings, monkeypatch)  # settings.py with no MAILRELAY_* set
+    config = BackPressureConfig.from_settings()
+    assert config.enabled is True
+    assert config.interval == 2.0
+    assert config.tarpit == TarpitConfig(10, 5, 55)
+    assert config.resources == EXCHANGE
+    assert (config.database_path, config.log_path) == ("", "")
+    assert config.node == f"{socket.gethostname()}:{os.getpid()}"
+
+
+def test_settings_come_from_the_environment_through_settings_py(settings, monkeypatch):
+    settings_from_environment(
+        settings,
+        monkeypatch,
+        MAILRELAY_BP_BATCH_POINTS_HIGH="5000",
+        MAILRELAY_BP_TARPIT_MAX="00:01:00",
+        MAILRELAY_BP_ENABLED="false",
+        MAILRELAY_NODE_NAME="mx2",
+    )
     config = BackPressureConfig.from_settings()
     assert config.interval == 2.0
     assert config.tarpit == TarpitConfig(10, 5, 60)
     assert config.resources[Resource.BATCH_POINTS] == ResourceConfig(1000, 2000, 5000, 300)
     assert config.resources[Resource.PRIVATE_BYTES] == ResourceConfig(0, 0, 0, 30)
     assert config.resources[Resource.PHYSICAL_MEMORY] == ResourceConfig(0, 0, 94, None)
+    assert config.enabled is False and config.node == "mx2"
+
+
+def test_a_bad_environment_value_stops_start_up_naming_the_variable(settings, monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="MAILRELAY_BP_BATCH_POINTS_HIGH"):
+        settings_from_environment(settings, monkeypatch, MAILRELAY_BP_BATCH_POINTS_HIGH="many")
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def make_monitor(samplers, node="mx1:100", **config) -> Monitor:
     config.setdefault("interval", 3600.0)  # no ticks but the ones a test asks for
     return Monitor(
         BackPressureConfig(
-            resources=RESOURCES, tarpit=TarpitConfig(10, 5, 55), node=node, **config
+            enabled=True, resources=RESOURCES, tarpit=TarpitConfig(10, 5, 55), node=node, **config
         ),
         samplers,
     )

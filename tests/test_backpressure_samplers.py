@@ -161,7 +161,8 @@ def test_the_submission_queue_counts_messages_waiting_for_the_categorizer_up_to_
 def test_default_samplers_cover_every_resource(settings, tmp_path):
     from delivery.backpressure.config import BackPressureConfig
 
-    config = BackPressureConfig(database_path=str(tmp_path), log_path=str(tmp_path))
+    settings.MAILRELAY_BP_DATABASE_PATH = settings.MAILRELAY_BP_LOG_PATH = str(tmp_path)
+    config = BackPressureConfig.from_settings()
     samplers = default_samplers(config, InFlight())
     assert set(samplers) == set(Resource)
     assert samplers[Resource.DATABASE_DISK_SPACE].read().note == str(Path(tmp_path))

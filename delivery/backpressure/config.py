@@ -1,19 +1,18 @@
 """Back-pressure settings, read once when a monitor starts.
 
-Each value comes from ``django.conf.settings`` when mailrelay/settings.py
-defines it (so tests override it with the ``settings`` fixture), else from
-the environment through the ``mailrelay.env`` helpers, with Exchange's
-defaults. Bad values stop start-up naming the setting.
+Every value comes from ``django.conf.settings`` (mailrelay/settings.py reads
+the environment and holds Exchange's defaults; tests override a value with
+the ``settings`` fixture before the config is built). This module only
+converts and checks them: bad values stop start-up naming the setting.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -24,30 +23,15 @@ from delivery.backpressure.engine import (
     ResourceConfig,
     TarpitConfig,
 )
-from mailrelay.env import env_bool, env_duration, env_int, env_str
 
-# Exchange's defaults: (normal, medium, high, history depth); 0 = the formula.
-DEFAULTS: dict[Resource, tuple[int, int, int, int | None]] = {
-    Resource.DATABASE_DISK_SPACE: (0, 0, 0, None),
-    Resource.LOG_DISK_SPACE: (0, 0, 0, None),
-    Resource.VERSION_BUCKETS: (80, 120, 200, 10),
-    Resource.BATCH_POINTS: (1000, 2000, 4000, 300),
-    Resource.PRIVATE_BYTES: (0, 0, 0, 30),
-    Resource.PHYSICAL_MEMORY: (0, 0, 94, None),
-    Resource.SUBMISSION_QUEUE: (2000, 4000, 10000, 300),
-}
-DEFAULT_INTERVAL = "2s"
-DEFAULT_TARPIT = ("10s", "5s", "55s")
+# Resources without a history depth in Exchange (no MAILRELAY_BP_<RESOURCE>_HISTORY_DEPTH).
+NO_HISTORY_DEPTH = frozenset(
+    {Resource.DATABASE_DISK_SPACE, Resource.LOG_DISK_SPACE, Resource.PHYSICAL_MEMORY}
+)
 
 
-def _setting(name: str, from_env: Callable[[], Any]) -> Any:
-    if hasattr(settings, name):
-        return getattr(settings, name)
-    return from_env()
-
-
-def _int(name: str, default: int) -> int:
-    value = _setting(name, lambda: env_int(name, default))
+def _int(name: str) -> int:
+    value = getattr(settings, name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ImproperlyConfigured(f"{name}: {value!r} is not an integer")
     if value < 0:
@@ -55,8 +39,8 @@ def _int(name: str, default: int) -> int:
     return value
 
 
-def _seconds(name: str, default: str) -> float:
-    value = _setting(name, lambda: env_duration(name, default))
+def _seconds(name: str) -> float:
+    value = getattr(settings, name)
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -64,20 +48,18 @@ def _seconds(name: str, default: str) -> float:
     raise ImproperlyConfigured(f"{name}: {value!r} is not a duration")
 
 
-def node_name() -> str:
-    """``MAILRELAY_NODE_NAME``, else ``hostname:pid`` (one ingress process = one node)."""
-    name = _setting("MAILRELAY_NODE_NAME", lambda: env_str("MAILRELAY_NODE_NAME", ""))
-    return str(name) if name else f"{socket.gethostname()}:{os.getpid()}"
+def default_node_name() -> str:
+    """``hostname:pid``, the node name when MAILRELAY_NODE_NAME is empty (a process = a node)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _resource_config(resource: Resource) -> ResourceConfig:
     prefix = resource.setting_prefix
-    normal, medium, high, depth = DEFAULTS[resource]
     config = ResourceConfig(
-        normal=_int(f"{prefix}_NORMAL", normal),
-        medium=_int(f"{prefix}_MEDIUM", medium),
-        high=_int(f"{prefix}_HIGH", high),
-        history_depth=_int(f"{prefix}_HISTORY_DEPTH", depth) if depth is not None else None,
+        normal=_int(f"{prefix}_NORMAL"),
+        medium=_int(f"{prefix}_MEDIUM"),
+        high=_int(f"{prefix}_HIGH"),
+        history_depth=None if resource in NO_HISTORY_DEPTH else _int(f"{prefix}_HISTORY_DEPTH"),
     )
     if config.history_depth == 0:
         raise ImproperlyConfigured(f"{prefix}_HISTORY_DEPTH must be at least 1")
@@ -97,50 +79,40 @@ def _resource_config(resource: Resource) -> ResourceConfig:
     return config
 
 
+def _tarpit() -> TarpitConfig:
+    tarpit = TarpitConfig(
+        start=_seconds("MAILRELAY_BP_TARPIT_START"),
+        step=_seconds("MAILRELAY_BP_TARPIT_STEP"),
+        max=_seconds("MAILRELAY_BP_TARPIT_MAX"),
+    )
+    if min(tarpit.start, tarpit.step, tarpit.max) < 0 or tarpit.start > tarpit.max:
+        raise ImproperlyConfigured(
+            "MAILRELAY_BP_TARPIT_START/_STEP/_MAX: not negative, and START at most MAX"
+        )
+    return tarpit
+
+
 @dataclass(frozen=True)
 class BackPressureConfig:
-    enabled: bool = True
-    interval: float = 2.0  # seconds
-    resources: dict[Resource, ResourceConfig] = field(
-        default_factory=lambda: {
-            r: ResourceConfig(n, m, h, d) for r, (n, m, h, d) in DEFAULTS.items()
-        }
-    )
-    tarpit: TarpitConfig = field(default_factory=TarpitConfig)
+    enabled: bool
+    interval: float  # seconds
+    resources: Mapping[Resource, ResourceConfig]
+    tarpit: TarpitConfig
     database_path: str = ""  # "" = PostgreSQL's data directory when local, else SQLite's folder
     log_path: str = ""  # "" = the WAL directory when local
-    node: str = ""
+    node: str = ""  # "" = default_node_name()
 
     @classmethod
     def from_settings(cls) -> BackPressureConfig:
-        interval = _seconds("MAILRELAY_BP_MONITORING_INTERVAL", DEFAULT_INTERVAL)
+        interval = _seconds("MAILRELAY_BP_MONITORING_INTERVAL")
         if interval <= 0:
             raise ImproperlyConfigured("MAILRELAY_BP_MONITORING_INTERVAL must be positive")
-        start, step, maximum = DEFAULT_TARPIT
-        tarpit = TarpitConfig(
-            start=_seconds("MAILRELAY_BP_TARPIT_START", start),
-            step=_seconds("MAILRELAY_BP_TARPIT_STEP", step),
-            max=_seconds("MAILRELAY_BP_TARPIT_MAX", maximum),
-        )
-        if min(tarpit.start, tarpit.step, tarpit.max) < 0 or tarpit.start > tarpit.max:
-            raise ImproperlyConfigured(
-                "MAILRELAY_BP_TARPIT_START/_STEP/_MAX: not negative, and START at most MAX"
-            )
         return cls(
-            enabled=bool(
-                _setting("MAILRELAY_BP_ENABLED", lambda: env_bool("MAILRELAY_BP_ENABLED", True))
-            ),
+            enabled=bool(settings.MAILRELAY_BP_ENABLED),
             interval=interval,
             resources={resource: _resource_config(resource) for resource in Resource},
-            tarpit=tarpit,
-            database_path=str(
-                _setting(
-                    "MAILRELAY_BP_DATABASE_PATH", lambda: env_str("MAILRELAY_BP_DATABASE_PATH")
-                )
-                or ""
-            ),
-            log_path=str(
-                _setting("MAILRELAY_BP_LOG_PATH", lambda: env_str("MAILRELAY_BP_LOG_PATH")) or ""
-            ),
-            node=node_name(),
+            tarpit=_tarpit(),
+            database_path=str(settings.MAILRELAY_BP_DATABASE_PATH or ""),
+            log_path=str(settings.MAILRELAY_BP_LOG_PATH or ""),
+            node=str(settings.MAILRELAY_NODE_NAME or "") or default_node_name(),
         )

@@ -168,9 +168,11 @@ class ResourceConfig:
 
 @dataclass(frozen=True)
 class TarpitConfig:
-    start: float = 10.0
-    step: float = 5.0
-    max: float = 55.0
+    """The MAIL FROM delay in seconds (MAILRELAY_BP_TARPIT_START / _STEP / _MAX)."""
+
+    start: float
+    step: float
+    max: float
 
 
 def disk_high_percent(size: int, reserve: int) -> int:
@@ -309,12 +311,10 @@ class ResourceStatus:
 class ResourceTracker:
     """The state of one resource across intervals."""
 
-    def __init__(
-        self, resource: Resource, config: ResourceConfig, tarpit: TarpitConfig | None = None
-    ) -> None:
+    def __init__(self, resource: Resource, config: ResourceConfig, tarpit: TarpitConfig) -> None:
         self.resource = resource
         self.config = config
-        self.tarpit = tarpit or TarpitConfig()
+        self.tarpit = tarpit
         self.level: Level | None = None
         self.started = False  # observed at least once
         self.reading: float | None = None
@@ -465,9 +465,7 @@ class Snapshot:
 class PressureState:
     """Every resource's tracker; ``observe`` turns one interval's samples into a Snapshot."""
 
-    def __init__(
-        self, resources: Mapping[Resource, ResourceConfig], tarpit: TarpitConfig | None = None
-    ) -> None:
+    def __init__(self, resources: Mapping[Resource, ResourceConfig], tarpit: TarpitConfig) -> None:
         self.trackers = {
             resource: ResourceTracker(resource, config, tarpit)
             for resource, config in resources.items()

@@ -24,7 +24,7 @@ from typing import Literal
 from django.db import connections
 
 from delivery.backpressure import store
-from delivery.backpressure.config import BackPressureConfig, node_name
+from delivery.backpressure.config import BackPressureConfig, default_node_name
 from delivery.backpressure.engine import (
     GC_RESOURCES,
     Action,
@@ -66,7 +66,7 @@ class Monitor:
         persist: bool = True,
     ) -> None:
         self.config = config
-        self.node = config.node or node_name()
+        self.node = config.node or default_node_name()
         self.uncommitted = uncommitted or InFlight()
         self.samplers: dict[Resource, Sampler] = {
             **default_samplers(config, self.uncommitted),

@@ -46,7 +46,7 @@ from delivery.pickup.parse import (
     parse_pickup,
     parse_replay,
 )
-from mailrelay import env, metrics
+from mailrelay import metrics
 from queues import clock
 from queues.models import Event, EventLevel
 from queues.services.accept import message_accept
@@ -71,35 +71,27 @@ def always_allowed(kind: str) -> bool:
 # --------------------------------------------------------------------------- settings
 
 
-def _setting(name: str, from_env: Callable[[], object]) -> object:
-    """``settings.NAME`` when settings.py defines it, else the environment variable."""
-    value = getattr(settings, name, None)
-    return from_env() if value is None else value
-
-
 @dataclass(frozen=True)
 class FolderConfig:
+    """One folder's settings, read once from ``django.conf.settings`` when watching starts."""
+
     kind: str  # "pickup" or "replay"
     directory: Path
     interval: float  # seconds between polls
     max_per_minute: int  # files taken per minute (0: no limit)
     limits: PickupLimits  # pickup only
     max_file_size: int  # bytes (0: no limit)
+    hostname: str  # our name, the HELO of every message taken (MAILRELAY_HOSTNAME)
 
     @classmethod
     def from_settings(cls, kind: str) -> FolderConfig | None:
         """The folder's configuration, or None when its directory is not set."""
         if kind not in KINDS:
             raise ValueError(f"kind: one of {KINDS}")
-        name = f"MAILRELAY_{kind.upper()}_DIR"
-        directory = str(_setting(name, lambda: env.env_str(name, "")))
+        directory = str(getattr(settings, f"MAILRELAY_{kind.upper()}_DIR") or "")
         if not directory:
             return None
-        interval = _setting(
-            "MAILRELAY_PICKUP_POLL_INTERVAL",
-            lambda: env.env_duration("MAILRELAY_PICKUP_POLL_INTERVAL", "5s"),
-        )
-        assert isinstance(interval, timedelta)
+        interval: timedelta = settings.MAILRELAY_PICKUP_POLL_INTERVAL
         max_size = int(settings.MAILRELAY_MAX_MESSAGE_SIZE or 0)
         if kind == "replay" and max_size:
             max_size += REPLAY_SIZE_SLACK
@@ -107,27 +99,13 @@ class FolderConfig:
             kind=kind,
             directory=Path(directory),
             interval=max(interval.total_seconds(), 0.001),
-            max_per_minute=int(
-                _setting(
-                    "MAILRELAY_PICKUP_MAX_MESSAGES_PER_MINUTE",
-                    lambda: env.env_int("MAILRELAY_PICKUP_MAX_MESSAGES_PER_MINUTE", 100),
-                )
-            ),
+            max_per_minute=int(settings.MAILRELAY_PICKUP_MAX_MESSAGES_PER_MINUTE),
             limits=PickupLimits(
-                max_header_size=int(
-                    _setting(
-                        "MAILRELAY_PICKUP_MAX_HEADER_SIZE",
-                        lambda: env.env_size("MAILRELAY_PICKUP_MAX_HEADER_SIZE", "64KB"),
-                    )
-                ),
-                max_recipients=int(
-                    _setting(
-                        "MAILRELAY_PICKUP_MAX_RECIPIENTS_PER_MESSAGE",
-                        lambda: env.env_int("MAILRELAY_PICKUP_MAX_RECIPIENTS_PER_MESSAGE", 100),
-                    )
-                ),
+                max_header_size=int(settings.MAILRELAY_PICKUP_MAX_HEADER_SIZE),
+                max_recipients=int(settings.MAILRELAY_PICKUP_MAX_RECIPIENTS_PER_MESSAGE),
             ),
             max_file_size=max_size,
+            hostname=settings.MAILRELAY_HOSTNAME,
         )
 
 
@@ -334,7 +312,7 @@ class FolderWatcher:
             submission = parse_pickup(raw, self.config.limits, clock.now())
         submission.envelope = dataclasses.replace(
             submission.envelope,
-            client_helo=settings.MAILRELAY_HOSTNAME,
+            client_helo=self.config.hostname,
             client_name="localhost",
         )
         return submission

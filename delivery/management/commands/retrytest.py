@@ -12,17 +12,16 @@ message expiration timeout, when Exchange's expiry ends every schedule).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from itertools import groupby
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+# The engine options from settings, as the active rules use them (a --rules file too).
+from delivery.retry import options as settings_options
 from delivery.retry import rules as active_rules
 from delivery.retryrules import (
-    DEFAULT_OPTIONS,
-    RetryOptions,
     RetryRuleError,
     RetryRules,
     Rule,
@@ -42,18 +41,6 @@ _EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
 def _offset(at: datetime) -> str:
     return "+" + format_duration(at - _EPOCH)
-
-
-def _options() -> RetryOptions:
-    """Engine options from settings when the project defines them (timedeltas)."""
-    interval_max = getattr(settings, "MAILRELAY_RETRY_INTERVAL_MAX", None)
-    data_expire = getattr(settings, "MAILRELAY_RETRY_DATA_EXPIRE", None)
-    changes: dict[str, timedelta] = {}
-    if isinstance(interval_max, timedelta):
-        changes["retry_interval_max"] = interval_max
-    if isinstance(data_expire, timedelta):
-        changes["retry_data_expire"] = data_expire
-    return replace(DEFAULT_OPTIONS, **changes) if changes else DEFAULT_OPTIONS
 
 
 class Command(BaseCommand):
@@ -99,7 +86,7 @@ class Command(BaseCommand):
             if path is None:
                 rules = active_rules()
             else:
-                rules = load_rules_or_default(path, options=_options())
+                rules = load_rules_or_default(path, options=settings_options())
         except RetryRuleError as exc:
             raise CommandError(f"bad retry rules: {exc}") from None
         try:
