@@ -207,7 +207,7 @@ class _Round:
     failed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
     relayed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
     message_failures: set[int] = field(default_factory=set)
-    hints: list[rr.RetryHint] = field(default_factory=list)
+    hints: list[rr.RetryData] = field(default_factory=list)
     cleared_hints: list[str] = field(default_factory=list)
     delivered_queues: set[int] = field(default_factory=set)
     errors_by_queue: dict[int, str] = field(default_factory=dict)
@@ -233,7 +233,7 @@ def _decide(
     batch: BatchResult,
     rows: dict[int, Recipient],
     senders: dict[int, str],
-    host_hints: dict[str, rr.RetryHint],
+    host_hints: dict[str, rr.RetryData],
     now: datetime,
 ) -> _Round:
     """Decide what a round's results mean, without touching the database.
@@ -366,17 +366,17 @@ _RECIPIENT_READ_FIELDS = (
 )
 
 
-def _load_hints(keys: list[str]) -> dict[str, rr.RetryHint]:
+def _load_hints(keys: list[str]) -> dict[str, rr.RetryData]:
     return {key: _as_hint(row) for key, row in hints_load(keys).items()}
 
 
-def _as_hint(row: RetryHint) -> rr.RetryHint:
-    return rr.RetryHint(
+def _as_hint(row: RetryHint) -> rr.RetryData:
+    return rr.RetryData(
         row.key, row.first_failed, row.last_tried, row.next_try, row.expired, row.error, row.text
     )
 
 
-def _as_row(hint: rr.RetryHint) -> RetryHint:
+def _as_row(hint: rr.RetryData) -> RetryHint:
     return RetryHint(
         key=hint.key,
         first_failed=hint.first_failed,

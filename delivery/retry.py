@@ -34,7 +34,7 @@ from django.conf import settings
 
 from delivery.retryrules import (
     NextRetry,
-    RetryHint,
+    RetryData,
     RetryOptions,
     RetryRules,
     Rule,
@@ -254,12 +254,12 @@ def link_verdict(
 
 def host_hints(
     failures: Sequence[HostFailure],
-    existing: Mapping[str, RetryHint],
+    existing: Mapping[str, RetryData],
     *,
     domain: str,
     via_mx: bool,
     now: datetime,
-) -> list[RetryHint]:
+) -> list[RetryData]:
     """Exim's per-host retry data for every host that could not be used."""
     by_key = {host_key(f.host, f.ip): f for f in failures if f.host}
     active = rules()
@@ -288,7 +288,7 @@ class Deferral:
     next_attempt_at: datetime | None
     first_failure_at: datetime
     message_failure: bool = False  # counts towards a problem message
-    address_hint: RetryHint | None = None  # RCPT 4xx: retry data per address+sender
+    address_hint: RetryData | None = None  # RCPT 4xx: retry data per address+sender
 
 
 def deferral(
@@ -327,7 +327,7 @@ def deferral(
         return Deferral(None, first_failed)
     hint = None
     if result.phase == "rcpt":
-        hint = RetryHint(
+        hint = RetryData(
             key=address_key(address, sender),
             first_failed=first_failed,
             last_tried=now,
@@ -339,7 +339,7 @@ def deferral(
 
 
 def usable_targets(
-    targets: Sequence[T], hints: Mapping[str, RetryHint], *, domain: str, now: datetime
+    targets: Sequence[T], hints: Mapping[str, RetryData], *, domain: str, now: datetime
 ) -> tuple[list[T], str]:
     """Which hosts to try, from their retry data (Exim §10).
 

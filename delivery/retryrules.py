@@ -21,7 +21,7 @@ The pieces:
   a sender, searching in order as Exim does (§2-§6).
 * :func:`next_retry` computes the next retry time from a rule (§7);
   :func:`projected_schedule` lists the whole schedule (for ``retrytest``).
-* :class:`RetryHint` is the retry data kept per host/IP or per address+sender;
+* :class:`RetryData` is the retry data kept per host/IP or per address+sender;
   :func:`record_failure` updates it after a failed attempt and says whether the
   address has timed out (§9-§11); :func:`may_try` says whether a destination
   may be tried now (§10, §11).
@@ -50,7 +50,7 @@ __all__ = [
     "FailureOutcome",
     "NextRetry",
     "ParamSet",
-    "RetryHint",
+    "RetryData",
     "RetryOptions",
     "RetryRuleError",
     "RetryRules",
@@ -871,7 +871,7 @@ def projected_schedule(
 
 
 @dataclass(frozen=True)
-class RetryHint:
+class RetryData:
     """Retry data for one key (a host/IP, a host+message, an address+sender).
 
     As in Exim these are hints: deleting them is always safe. A success
@@ -918,7 +918,7 @@ def routing_key(domain: str) -> str:
     return f"R:{domain.lower().rstrip('.')}"
 
 
-def is_stale(hint: RetryHint, now: datetime, options: RetryOptions = DEFAULT_OPTIONS) -> bool:
+def is_stale(hint: RetryData, now: datetime, options: RetryOptions = DEFAULT_OPTIONS) -> bool:
     """§9: data not written for longer than ``retry_data_expire`` is ignored.
 
     Exim timestamps each write; a hint is written at every failure, so
@@ -936,13 +936,13 @@ class FailureOutcome:
     to store either way.
     """
 
-    hint: RetryHint
+    hint: RetryData
     timed_out: bool
     next: NextRetry | None
 
 
 def record_failure(
-    hint: RetryHint | None,
+    hint: RetryData | None,
     *,
     key: str,
     rule: Rule | None,
@@ -980,7 +980,7 @@ def record_failure(
     """
     rng = rng if rng is not None else _RNG
     if hint is None or is_stale(hint, now, options):
-        hint = RetryHint(key=key, first_failed=now, last_tried=now, next_try=now)
+        hint = RetryData(key=key, first_failed=now, last_tried=now, next_try=now)
     if rule is None or not rule.params:
         new = replace(
             hint, key=key, last_tried=now, next_try=now, expired=True, error=error, text=text
@@ -1025,7 +1025,7 @@ class TryDecision(StrEnum):
 
 
 def may_try(
-    hint: RetryHint | None,
+    hint: RetryData | None,
     *,
     now: datetime,
     rule: Rule | None,

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from delivery import retry
-from delivery.retryrules import RetryHint
+from delivery.retryrules import RetryData
 from delivery.types import HostFailure, RecipientResult
 
 NOW = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
@@ -194,8 +194,8 @@ class Target:
     port: int = 25
 
 
-def hint(target: Target, *, next_try: datetime, expired: bool = False) -> RetryHint:
-    return RetryHint(
+def hint(target: Target, *, next_try: datetime, expired: bool = False) -> RetryData:
+    return RetryData(
         key=f"T:{target.host}:{target.ip}",
         first_failed=NOW - timedelta(days=1),
         last_tried=NOW - MIN,

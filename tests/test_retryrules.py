@@ -17,7 +17,7 @@ from django.test import override_settings
 
 from delivery.retryrules import (
     DEFAULT_RULES_TEXT,
-    RetryHint,
+    RetryData,
     RetryOptions,
     RetryRuleError,
     TryDecision,
@@ -560,7 +560,7 @@ def test_record_failure_creates_and_advances_a_hint_until_it_expires():
 
 def test_stale_hints_are_ignored_after_retry_data_expire():
     rule = rule_of("* * F,2h,15m; F,4d,6h")
-    old = RetryHint("k", T0, T0 + 3 * D, T0 + 3 * D + 6 * H, expired=False)
+    old = RetryData("k", T0, T0 + 3 * D, T0 + 3 * D + 6 * H, expired=False)
     fresh = fail(old, rule, T0 + 10 * D + S)  # not written for 7 days and a second
     assert fresh.hint.first_failed == T0 + 10 * D + S
     assert fresh.hint.next_try - fresh.hint.last_tried == 15 * M
@@ -574,7 +574,7 @@ def test_stale_hints_are_ignored_after_retry_data_expire():
 
 def _expired_hint(rule):
     """A host that has failed past its final cutoff, last tried at T0+5h."""
-    outcome = fail(RetryHint("k", T0, T0 + 4 * H, T0 + 5 * H), rule, T0 + 5 * H)
+    outcome = fail(RetryData("k", T0, T0 + 4 * H, T0 + 5 * H), rule, T0 + 5 * H)
     assert outcome.timed_out and outcome.hint.expired
     return outcome.hint
 
@@ -631,7 +631,7 @@ def test_intermittent_per_message_errors_use_the_arrival_when_it_is_earlier():
     # §11 first action: other messages get through and reset the clock, so the
     # first failure of this error is recent; the message arrived long before.
     rule = rule_of("* * F,2h,15m; F,1d,1h")
-    hint = RetryHint("T:mx.example:192.0.2.1:msg1", T0 + 25 * H, T0 + 25 * H, T0 + 25 * H)
+    hint = RetryData("T:mx.example:192.0.2.1:msg1", T0 + 25 * H, T0 + 25 * H, T0 + 25 * H)
     now = T0 + 25 * H + 15 * M
     per_message = fail(hint, rule, now, message_arrived=T0, per_message=True)
     assert per_message.timed_out and per_message.hint.expired
@@ -650,7 +650,7 @@ def test_message_older_than_the_cutoff_is_tried_once_then_timed_out():
     # the final cutoff. It is tried even though the retry time has not come, and
     # when that fails it times out with no new retry time.
     rule = rule_of("* * F,2h,15m; F,1d,1h")
-    hint = RetryHint("k", T0 + 30 * H, T0 + 30 * H, T0 + 30 * H + 15 * M)
+    hint = RetryData("k", T0 + 30 * H, T0 + 30 * H, T0 + 30 * H + 15 * M)
     now = T0 + 30 * H + 5 * M
     assert may_try(hint, now=now, rule=rule, message_arrived=T0) is TryDecision.TRY
     assert may_try(hint, now=now, rule=rule, message_arrived=T0 + 20 * H) is TryDecision.WAIT
