@@ -15,7 +15,6 @@ from django.db.models import Q
 # here because every caller knows them as queues.models.*.
 from queues.states import (  # noqa: F401
     FINAL_RECIPIENT_STATES,
-    SPECIAL_DELIVERY_TYPES,
     WAITING_RECIPIENT_STATES,
     AttemptOutcome,
     AttemptPhase,

@@ -19,14 +19,6 @@ class DeliveryType(models.TextChoices):
     DEAD_LETTER = "dead_letter", "Dead-letter"
 
 
-SPECIAL_DELIVERY_TYPES = (
-    DeliveryType.SUBMISSION,
-    DeliveryType.UNREACHABLE,
-    DeliveryType.POISON,
-    DeliveryType.DEAD_LETTER,
-)
-
-
 class LinkState(models.TextChoices):
     READY = "ready", "Ready"
     ACTIVE = "active", "Active"
