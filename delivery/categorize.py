@@ -28,7 +28,6 @@ from queues.models import (
     EventLevel,
     Link,
     Message,
-    MessageState,
     Queue,
     Recipient,
     RecipientState,
@@ -64,12 +63,7 @@ def park_poison(message_ids: list[int]) -> None:
     now = clock.now()
     poison = special_queue(DeliveryType.POISON, now)
     with transaction.atomic():
-        Message.objects.filter(id__in=message_ids).update(
-            state=MessageState.QUEUED, suspended=True, lease_owner="", lease_until=None
-        )
-        Recipient.objects.filter(message_id__in=message_ids).exclude(
-            state__in=[RecipientState.DELIVERED, RecipientState.FAILED, RecipientState.EXPIRED]
-        ).update(queue=poison, state=RecipientState.DEFERRED, lease_until=None)
+        Message.objects.filter(id__in=message_ids).park_in_poison(poison.pk)
         Event.objects.bulk_create(
             Event(
                 created_at=now,

@@ -115,9 +115,7 @@ class MessageQuerySet(models.QuerySet):
         from queues.models import Recipient
 
         return self.filter(
-            Exists(
-                Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.SUBMITTED)
-            )
+            Exists(Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.SUBMITTED))
         )
 
     def finish(self, now: datetime) -> int:
@@ -131,6 +129,25 @@ class MessageQuerySet(models.QuerySet):
             self.exclude(state=MessageState.DONE)
             .exclude(Exists(pending))
             .update(state=MessageState.DONE, completed_at=now, lease_owner="", lease_until=None)
+        )
+
+    def park_in_poison(self, poison_queue_id: int) -> int:
+        """Messages that crashed their workers too often: suspended, their
+        unfinished recipients parked in the Poison queue (an operator releases
+        them with resume or resubmit)."""
+        from queues.models import Recipient
+
+        ids = list(self.values_list("id", flat=True))
+        Recipient.objects.filter(message_id__in=ids).exclude(
+            state__in=FINAL_RECIPIENT_STATES
+        ).update(
+            queue_id=poison_queue_id,
+            state=RecipientState.DEFERRED,
+            lease_owner="",
+            lease_until=None,
+        )
+        return self.model.objects.filter(id__in=ids).update(
+            state=MessageState.QUEUED, suspended=True, lease_owner="", lease_until=None
         )
 
     def reclaim_expired(self, now: datetime) -> int:
