@@ -38,6 +38,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from delivery.dns import make_resolver, parse_nameserver
 from delivery.types import NextHop, Route, RouteError
+from queues import domains
 
 # queues.models.DeliveryType values (kept as strings: routing does not import models)
 TRANSPORT_MAP = "transport_map"
@@ -151,18 +152,21 @@ def parse_next_hop(spec: str, default_port: int | None = None) -> tuple[NextHop,
 
 
 def _parse_transport_key(key: str, entry: str) -> str:
-    domain = key.lower().rstrip(".")
-    bare = domain[1:] if domain.startswith(".") else domain
-    if not bare or _BAD_KEY_CHARS.search(bare) or ".." in bare or bare.startswith("."):
+    """A transport-map key in the form recipient domains are routed by (``domain_key``):
+    ``ｅｘａｍｐｌｅ.test`` and ``Example.TEST.`` are ``example.test``, ``.bücher.de``
+    is ``.xn--bcher-kva.de``; a leading dot (subdomains) is kept."""
+    subdomains = key.startswith(".")
+    bare = key[1:] if subdomains else key
+    if not bare or _BAD_KEY_CHARS.search(bare):
         raise ValueError(
             f"transport {entry!r}: {key!r} is not a domain (use example.com, or "
             ".example.com for its subdomains)"
         )
     try:
-        dns.name.from_text(bare)
-    except dns.exception.DNSException as exc:
-        raise ValueError(f"transport {entry!r}: {key!r} is not a domain: {exc}") from None
-    return domain
+        name = domains.domain_key(bare)
+    except domains.DomainError as exc:
+        raise ValueError(f"transport {entry!r}: {key!r} is not a domain ({exc})") from None
+    return "." + name if subdomains else name
 
 
 def parse_transports(text: str, default_port: int | None = None) -> dict[str, tuple[NextHop, ...]]:
@@ -171,9 +175,10 @@ def parse_transports(text: str, default_port: int | None = None) -> dict[str, tu
     ``example.com=[10.0.0.5]:2525,.example.com=relay.example.net`` maps
     example.com exactly and (through the leading dot) every subdomain of
     example.com, Postfix style. Entries may also be on separate lines.
-    Returns ``{key: hops}`` with lower-case keys (leading dot kept). Raises
+    Returns ``{key: hops}`` with keys in the one form of a domain
+    (``queues.domains``: lower-case A-labels, leading dot kept). Raises
     ValueError naming the bad entry: no ``=``, a bad domain, a bad next hop,
-    or a domain given twice.
+    or a domain given twice (in any of its forms).
     """
     transports: dict[str, tuple[NextHop, ...]] = {}
     for raw in re.split(r"[,\n]", text):
@@ -463,8 +468,21 @@ def order_targets(
 # --- the router ---------------------------------------------------------------
 
 
-def _normalise_domain(domain: str) -> str:
-    return domain.strip().rstrip(".").lower()
+def _route_name(domain: str) -> str:
+    """The name a recipient domain is routed by (its one form); RouteError without one.
+
+    Recipient domains are normalised at accept; this catches rows stored
+    before that was so, and callers that pass raw text.
+    """
+    text = domain.strip()
+    if not text:
+        raise RouteError("empty recipient domain", permanent=True, enhanced=BAD_SYNTAX)
+    try:
+        return domains.domain_key(text)
+    except domains.DomainError as exc:
+        raise RouteError(
+            f"{text} is not a valid domain name ({exc})", permanent=True, enhanced=BAD_SYNTAX
+        ) from None
 
 
 class Router:
@@ -512,7 +530,8 @@ class Router:
         """The route of ``domain``, or RouteError.
 
         Steps:
-        1. normalise the domain (lower case, no final dot);
+        1. normalise the domain (its one form: IDNA 2008 + UTS #46 in A-labels,
+           lower case, no final dot; an address literal in lower case);
         2. transport map: the exact domain, else the closest ``.parent`` key;
         3. else the smart host;
         4. else an address literal (``[192.0.2.1]``) is its own next hop;
@@ -522,9 +541,7 @@ class Router:
         Next hops without brackets (transport map, smart host) are looked up
         for MX here too (step 2, 3), like Postfix's relayhost.
         """
-        name = _normalise_domain(domain)
-        if not name:
-            raise RouteError("empty recipient domain", permanent=True, enhanced=BAD_SYNTAX)
+        name = _route_name(domain)
         entry = lookup_transport(self.transports, name)
         if entry is not None:
             key, hops = entry

@@ -206,6 +206,27 @@ def test_it_matches_accepted_domains_in_unicode_and_in_a_labels():
         assert policy.recipient_refusal(recipient, trusted=False, accepted_domains=accepted) is None
 
 
+def test_it_matches_accepted_domains_in_every_spelling_of_their_one_form():
+    # Full-width letters, ideographic full stops, case, a final dot (issue #9).
+    accepted = frozenset({policy.domain_key("example.test")})
+    for arg in (
+        "<victim@ｅｘａｍｐｌｅ.test>",
+        "<victim@EXAMPLE\u3002ｔｅｓｔ>",
+        "<victim@Example.Test.>",
+    ):
+        recipient = rcpt(arg, utf8=True)
+        assert policy.recipient_refusal(recipient, trusted=False, accepted_domains=accepted) is None
+    assert rcpt("<victim@ｅｘａｍｐｌｅ.test>", utf8=True).address == "victim@example.test"
+
+
+def test_it_refuses_a_domain_without_an_idna_form_with_553():
+    with pytest.raises(policy.Refused) as info:
+        rcpt("<u@xn--zz.test>")
+    assert info.value.reply == policy.BAD_RECIPIENT_DOMAIN
+    assert policy.BAD_RECIPIENT_DOMAIN.startswith("553 5.1.3 ")
+    assert policy.BAD_SENDER_DOMAIN.startswith("553 5.1.7 ")
+
+
 def test_it_refuses_a_recipient_without_a_domain_for_every_client():
     assert refusal_for("<postmaster>", trusted=True) == replies.RECIPIENT_NOT_FQDN
     assert replies.RECIPIENT_NOT_FQDN.startswith("553 5.1.3 ")

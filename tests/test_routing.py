@@ -95,6 +95,15 @@ def test_it_parses_a_transport_map():
     }
 
 
+def test_transport_map_keys_are_parsed_into_the_one_form_of_a_domain():
+    transports = parse_transports(
+        "ＥＸＡＭＰＬＥ\u3002test=[10.0.0.5],.Bücher.DE.=[10.0.0.6],xn--EXMPLE-cua.org=[10.0.0.7]",
+        25,
+    )
+
+    assert list(transports) == ["example.test", ".xn--bcher-kva.de", "xn--exmple-cua.org"]
+
+
 def test_an_empty_transport_map_is_empty():
     assert parse_transports(" , ", 25) == {}
 
@@ -111,6 +120,11 @@ def test_an_empty_transport_map_is_empty():
         ("example.com=", "empty next hop"),
         ("example.com=[10.0.0.5]:99999", "port '99999'"),
         ("example.com=[10.0.0.5],EXAMPLE.com.=[10.0.0.6]", "example.com is mapped twice"),
+        ("exämple.com=[10.0.0.5],xn--exmple-cua.com=[10.0.0.6]", "cua.com is mapped twice"),
+        ("ｅｘａｍｐｌｅ.com=[10.0.0.5],example.com=[10.0.0.6]", "example.com is mapped twice"),
+        ("xn--zz.com=[10.0.0.5]", "is not a domain"),
+        ("☃.com=[10.0.0.5]", "is not a domain"),
+        (".ab--ü.com=[10.0.0.5]", "is not a domain"),
     ],
 )
 def test_it_rejects_a_bad_transport_map_naming_the_entry(text, message):
@@ -393,7 +407,9 @@ def test_no_nameserver_answering_is_a_temporary_failure(dns_settings, settings):
     assert (info.value.permanent, info.value.enhanced) == (False, "4.4.3")
 
 
-@pytest.mark.parametrize("domain", ["", "a..example", "x" * 64 + ".example"])
+@pytest.mark.parametrize(
+    "domain", ["", "a..example", "x" * 64 + ".example", "xn--zz.example", "☃.example"]
+)
 def test_an_invalid_domain_fails_permanently(router, domain):
     with pytest.raises(RouteError) as info:
         router.route(domain)
@@ -435,6 +451,32 @@ def test_a_dotted_transport_key_routes_subdomains_only(dns_settings, settings):
 
     assert (sub.delivery_type, sub.queue_name) == ("transport_map", "deep.sub.example.com")
     assert router.route("example.com").delivery_type == "dns_mx"
+
+
+def test_every_spelling_of_a_domain_is_routed_by_its_one_form(dns_settings, settings):
+    # Recipient domains are normalised at accept; rows stored before that (and
+    # any caller's raw text) are routed by the same form, never by the raw one.
+    settings.MAILRELAY_TRANSPORTS = "example.test=[10.0.0.5],.bücher.test=[10.0.0.6]"
+    settings.MAILRELAY_SMART_HOST = "[10.0.0.9]"
+    router = Router.from_settings()
+
+    for spelling in ("ｅｘａｍｐｌｅ.test", "EXAMPLE\u3002TEST", "example.test."):
+        route = router.route(spelling)
+        assert (route.delivery_type, route.queue_name) == ("transport_map", "example.test")
+    sub = router.route("MX.BÜCHER.test")
+    assert (sub.delivery_type, sub.queue_name) == ("transport_map", "mx.xn--bcher-kva.test")
+    assert dns_settings.queries == []
+
+
+def test_dns_is_asked_for_the_a_label_form(router, dns_settings):
+    dns_settings.mx("xn--exmple-cua.test", [(10, "mx.example.test")])
+
+    route = router.route("EXÄMPLE.test")
+
+    assert (route.queue_name, route.hosts) == (
+        "xn--exmple-cua.test",
+        (NextHop("mx.example.test", 25, 10),),
+    )
 
 
 def test_the_smart_host_wins_over_dns(dns_settings, settings):

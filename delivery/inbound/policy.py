@@ -2,12 +2,18 @@
 
 Nothing here touches the network, the database or settings; the server
 passes in what it read at start. Every refusal is a ``Refused`` carrying a
-reply from ``replies``.
+reply from ``replies`` (or one of the two below).
+
+A path's domain is normalised here, once, for SMTP, pickup and replay alike
+(``queues.domains``: IDNA 2008 with UTS #46 mapping): a ``Mailbox`` carries
+the local part exactly as given and the domain in its envelope form, so
+``victim@ｅｘａｍｐｌｅ.test`` is stored as ``victim@example.test``; relay control
+(``domain_key``) and routing use its A-label key. A domain with no form is
+refused with 553.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import re
 import string
@@ -15,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from delivery.inbound import replies
+from queues import domains
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -45,6 +52,12 @@ _UTF8_ADDR_UNICODE = re.compile(
 _ADDR_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
 _NOTIFY_VALUES = ("SUCCESS", "FAILURE", "DELAY")
 
+# A domain without an IDNA form. RFC 3463: X.1.3 is a bad destination
+# mailbox address syntax; for the sender X.1.7 (bad sender's mailbox address
+# syntax) is the one meant, not X.1.8 (the sender's system does not exist).
+BAD_RECIPIENT_DOMAIN = "553 5.1.3 Bad recipient domain: not a valid domain name (IDNA)"
+BAD_SENDER_DOMAIN = "553 5.1.7 Bad sender domain: not a valid domain name (IDNA)"
+
 
 class Refused(Exception):  # noqa: N818 - it is a refusal, not an "error"
     """A command is refused; ``reply`` is what the client gets."""
@@ -62,25 +75,31 @@ class NeedsSMTPUTF8(ValueError):  # noqa: N818
     pass
 
 
-def domain_key(domain: str) -> str:
-    """A domain as compared with MAILRELAY_ACCEPTED_DOMAINS.
+class BadDomain(PathSyntaxError):  # noqa: N818
+    """The domain has no normalised (IDNA) form; the text says why."""
 
-    Lower case, without the trailing dot, and in A-labels, so that an
-    SMTPUTF8 recipient "exämple.com" matches "xn--exmple-cua.com".
+
+def domain_key(domain: str) -> str:
+    """A domain as compared with MAILRELAY_ACCEPTED_DOMAINS: its one form.
+
+    ``queues.domains.domain_key``: so ``ｅｘａｍｐｌｅ.test`` matches ``example.test``
+    and an SMTPUTF8 recipient ``exämple.com`` matches ``xn--exmple-cua.com``. A
+    domain without a form (never one of a parsed ``Mailbox``) is compared in
+    lower case, without the final dot, and so matches no accepted domain.
     """
-    key = domain.rstrip(".").lower()
-    if not key.isascii():
-        with contextlib.suppress(UnicodeError):  # not valid IDNA 2003: compare as given
-            key = key.encode("idna").decode("ascii")
-    return key
+    try:
+        return domains.domain_key(domain)
+    except domains.DomainError:
+        return domain.rstrip(".").lower()
 
 
 @dataclass(frozen=True)
 class Mailbox:
-    """An RFC 5321 path as given: the local part keeps its quotes and case."""
+    """An RFC 5321 path: the local part as given (quotes and case kept), the
+    domain checked and in its envelope form (``queues.domains.envelope_domain``)."""
 
     local: str
-    domain: str  # "" when the client gave none
+    domain: str  # "" when the client gave none; an address literal as given
     route: tuple[str, ...] = ()  # the A-d-l of "<@a,@b:user@c>", without the "@"
 
     @property
@@ -165,6 +184,8 @@ def _check_chars(text: str, utf8: bool) -> None:
 
 
 def _parse_domain(text: str) -> str:
+    """A domain or address literal → its one form (a literal as given); or
+    PathSyntaxError (BadDomain when it is a name without an IDNA form)."""
     if not text:
         raise PathSyntaxError("empty domain")
     if len(text) > MAX_DOMAIN_LENGTH:
@@ -181,16 +202,16 @@ def _parse_domain(text: str) -> str:
         except ValueError:
             raise PathSyntaxError("bad address literal") from None
         return text
-    labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
-    for label in labels:
-        if len(label) > 63:
-            raise PathSyntaxError("label too long")
-        if label.isascii():
-            if not _LABEL.match(label):
+    if text.isascii():
+        # Plain syntax first, so that "a b" or "a..b" stays a syntax error.
+        labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
+        for label in labels:
+            if not _LABEL.match(label) or len(label) > 63:
                 raise PathSyntaxError(f"bad domain label {label!r}")
-        elif not label or any(not (c.isalnum() or c == "-" or ord(c) > 127) for c in label):
-            raise PathSyntaxError(f"bad domain label {label!r}")
-    return text
+    try:
+        return domains.envelope_domain(text)
+    except domains.DomainError as exc:
+        raise BadDomain(str(exc)) from None
 
 
 def _parse_local(text: str, utf8: bool) -> tuple[str, str]:
@@ -371,6 +392,8 @@ def parse_mail(arg: str, *, extended: bool, max_size: int) -> tuple[Mailbox | No
         sender = parse_mailbox(path, utf8=params.smtputf8)
     except NeedsSMTPUTF8:
         raise Refused(replies.SENDER_NEEDS_SMTPUTF8) from None
+    except BadDomain:
+        raise Refused(BAD_SENDER_DOMAIN) from None
     except PathSyntaxError:
         raise Refused(replies.BAD_SENDER_SYNTAX) from None
     if sender is not None:
@@ -390,6 +413,8 @@ def parse_rcpt(arg: str, *, extended: bool, utf8: bool) -> tuple[Mailbox, RcptPa
         recipient = parse_mailbox(path, utf8=utf8)
     except NeedsSMTPUTF8:
         raise Refused(replies.RECIPIENT_NEEDS_SMTPUTF8) from None
+    except BadDomain:
+        raise Refused(BAD_RECIPIENT_DOMAIN) from None
     except PathSyntaxError:
         raise Refused(replies.BAD_RECIPIENT_SYNTAX) from None
     if recipient is None:

@@ -8,6 +8,8 @@ administrator can act on; the watcher renames such a file ``.bad`` beside a
   envelope sender is the Sender address, else the only From address; the
   recipients are every address of To, Cc and Bcc (duplicates once). Bcc
   fields are removed from the stored copy and a missing Date is added.
+  Envelope addresses get their domain in its one form (IDNA 2008 + UTS #46,
+  A-labels: ``policy.parse_mailbox``); the header fields are not changed.
   Exchange's limits: header size and recipients per message.
 - **Replay** (Exchange's Replay directory): leading ``X-Sender:`` /
   ``X-Receiver:`` lines carry the envelope with its ESMTP/DSN parameters
@@ -102,9 +104,12 @@ def field_value(raw: bytes) -> str:
 # --------------------------------------------------------------------------- pickup
 
 
-def _header_mailboxes(fields: list[tuple[str, bytes]], name: str) -> list[policy.Mailbox]:
+def _header_mailboxes(
+    fields: list[tuple[str, bytes]], name: str
+) -> list[tuple[policy.Mailbox, str]]:
+    """The mailboxes of every ``name`` field, each with the address as written."""
     label = {"bcc": "Bcc", "cc": "Cc"}.get(name, name.capitalize())
-    found: list[policy.Mailbox] = []
+    found: list[tuple[policy.Mailbox, str]] = []
     for field_name, raw in fields:
         if field_name != name:
             continue
@@ -115,17 +120,21 @@ def _header_mailboxes(fields: list[tuple[str, bytes]], name: str) -> list[policy
         for addr in addresses:
             try:
                 mailbox = policy.parse_mailbox(addr, utf8=True)
+            except policy.BadDomain as exc:
+                raise BadFile(
+                    f"{label}: {addr!r}: the domain is not a valid domain name ({exc})"
+                ) from None
             except (policy.PathSyntaxError, policy.NeedsSMTPUTF8):
                 raise BadFile(f"{label}: {addr!r} is not a valid address") from None
             if mailbox is None:
                 continue
             if not mailbox.domain:
                 raise BadFile(f"{label}: {addr!r} has no domain (user@domain)")
-            found.append(mailbox)
+            found.append((mailbox, addr))
     return found
 
 
-def _envelope_sender(fields: list[tuple[str, bytes]]) -> policy.Mailbox:
+def _envelope_sender(fields: list[tuple[str, bytes]]) -> tuple[policy.Mailbox, str]:
     if any(name == "sender" for name, _ in fields):
         senders = _header_mailboxes(fields, "sender")
         if len(senders) != 1:
@@ -166,15 +175,18 @@ def parse_pickup(raw: bytes, limits: PickupLimits, now: datetime) -> Submission:
             f"the header is {header_size} bytes, over the limit of {limits.max_header_size} "
             "(MAILRELAY_PICKUP_MAX_HEADER_SIZE)"
         )
-    sender = _envelope_sender(fields)
+    sender, sender_given = _envelope_sender(fields)
     recipients: list[policy.Mailbox] = []
+    given = [sender_given]
     seen: set[str] = set()
     for name in ("to", "cc", "bcc"):
-        for mailbox in _header_mailboxes(fields, name):
+        for mailbox, written in _header_mailboxes(fields, name):
+            # One form: "u@ｅｘａｍｐｌｅ.test" and "u@Example.test" are one recipient.
             key = f"{mailbox.local}@{mailbox.domain_key}"
             if key not in seen:
                 seen.add(key)
                 recipients.append(mailbox)
+                given.append(written)
     if not recipients:
         raise BadFile("no recipient: To, Cc and Bcc hold no address")
     if limits.max_recipients and len(recipients) > limits.max_recipients:
@@ -189,12 +201,12 @@ def parse_pickup(raw: bytes, limits: PickupLimits, now: datetime) -> Submission:
     if not any(name == "date" for name, _ in fields):
         kept.append(f"Date: {format_datetime(now)}\r\n".encode("ascii"))
     stored = b"".join(kept) + rest
-    addresses = [sender.address, *(m.address for m in recipients)]
     envelope = IncomingEnvelope(
         mail_from=sender.address,
         recipients=[IncomingRecipient(m.address) for m in recipients],
         body_type="" if stored.isascii() else "8BITMIME",
-        smtputf8=not all(a.isascii() for a in addresses),
+        # As written, not normalised: a header that names a U-label is UTF-8 (RFC 6532).
+        smtputf8=not all(a.isascii() for a in given),
         protocol="local",
         source=MessageSource.PICKUP,
     )
