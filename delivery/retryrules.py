@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Literal
 
 from mailrelay.env import parse_duration
+from queues.domains import DomainError, domain_key
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -316,8 +317,27 @@ def _match_local(pattern: str, local: str) -> bool:
     return local.lower() == pattern.lower()
 
 
+def _domain_form(domain: str) -> str:
+    """The one form of a domain (queues.domains), so a rule written with a
+    U-label or full-width letters matches the A-label the relay routes by."""
+    try:
+        return domain_key(domain)
+    except DomainError:
+        return domain.lower().rstrip(".")
+
+
+def _pattern_form(pattern: str) -> str:
+    if pattern == "*":
+        return pattern
+    if pattern.startswith("*."):
+        return "*." + _domain_form(pattern[2:])
+    if pattern.startswith("*"):
+        return pattern.lower()
+    return _domain_form(pattern)
+
+
 def _match_domain(pattern: str, domain: str) -> bool:
-    domain = domain.lower().rstrip(".")
+    domain = _domain_form(domain)
     if pattern == "*":
         return True
     if pattern.startswith("*"):
@@ -368,7 +388,7 @@ def _compile_item(raw: str) -> _Item:
     if domain.startswith("@") or "@" in domain:
         raise ValueError(f"{text!r}: @-forms (@, @[], @mx_any ...) are not supported")
     # A plain domain is treated as if preceded by "*@" (§2).
-    return _Item(raw.strip(), negated, local=local, domain=domain.lower().rstrip("."))
+    return _Item(raw.strip(), negated, local=local, domain=_pattern_form(domain))
 
 
 def _match_list(items: tuple[_Item, ...], address: str) -> bool:

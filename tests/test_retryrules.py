@@ -773,3 +773,10 @@ def test_retrytest_takes_retry_interval_max_from_settings_when_defined(seed_rule
         pytest.raises(CommandError, match="cannot be greater than 1d"),
     ):
         run_retrytest("u@x.example", "--rules", str(seed_rules))
+
+
+def test_a_rule_written_with_a_u_label_matches_the_routed_a_label():
+    rules = parse_rules("bücher.example  *  F,1h,5m\n*.ＥＸＡＭＰＬＥ。org  *  F,2h,10m\n")
+    assert rules.find("u@xn--bcher-kva.example").pattern == "bücher.example"
+    assert rules.find("u@mail.example.org").pattern == "*.ＥＸＡＭＰＬＥ。org"
+    assert rules.find("u@other.example") is None
