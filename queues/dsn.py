@@ -19,6 +19,11 @@ Choices made here (and why):
   RET=HDRS. Delay and success DSNs always return only the headers ("only the
   headers of the message SHOULD be returned"). A message larger than
   ``max_dsn_size`` octets is never returned in full (Exchange's MaxDSNSize).
+- **Only what is returned is read.** ``returns_full`` answers before any
+  body is read, so a caller reads either the whole original or only its
+  header block (``header_block_in`` tells when a prefix holds all of it) and
+  passes that, with the whole message's ``size``, in ``DsnOriginal``. A
+  returned body is copied once, into the finished report.
 - **8-bit and UTF-8 (RFC 6152, 6532, 6533).** An original that was sent with
   SMTPUTF8 (or any non-ASCII envelope address) gets the internationalised
   report: ``report-type=global-delivery-status``, a
@@ -138,6 +143,12 @@ class DsnOriginal:
     xtext-encoded, RET ``"FULL"``/``"HDRS"``/``""``); ``mail_from`` is ``""``
     for the null sender; ``data`` the stored bytes (a ``memoryview`` from the
     database is accepted too).
+
+    ``size`` is for an original whose body was not read: ``data`` then holds
+    only its header block and ``size`` the length of the whole stored
+    message, which decides (with RET and the kind) what the report returns;
+    building a report that would return the full message from such an
+    original is an error. ``None``: ``data`` is the whole message.
     """
 
     qid: str
@@ -147,6 +158,7 @@ class DsnOriginal:
     received_at: datetime
     data: bytes
     smtputf8: bool = False
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +250,37 @@ def dsn_transport(dsn: bytes) -> DsnTransport:
     )
 
 
+def returns_full(kind: str, ret: str, size: int, max_dsn_size: int) -> bool:
+    """Whether a ``kind`` report about a stored message of ``size`` octets with
+    this RET returns the full message (else only its header block). Asked
+    before reading the body, so that a report that returns only the headers
+    never reads it."""
+    return _returns_full(kind, ret, size, max_dsn_size)[0]
+
+
+def header_block_in(prefix: bytes, *, whole: bool) -> bytes | None:
+    """The header block of a message (as a report returns it: line ends made
+    CRLF, without the empty line that ends it) from its first bytes.
+
+    ``whole``: ``prefix`` is the entire message. Otherwise None when the
+    prefix ends before the empty line that ends the headers (read more). A
+    lone CR or LF counts as a line end here as everywhere in a report, so
+    the answer from a prefix is the answer from the whole message.
+    """
+    data = _crlf(bytes(prefix))
+    if whole or data.startswith(b"\r\n") or b"\r\n\r\n" in data:
+        return _header_block(data)
+    return None
+
+
+def truncated_header_block(prefix: bytes) -> bytes:
+    """A header block too long to read whole: the complete lines of ``prefix``
+    (the caller caps how much of a header it reads)."""
+    data = _crlf(bytes(prefix))
+    end = data.rfind(b"\r\n")
+    return data[: end + 2] if end >= 0 else b""
+
+
 # Building --------------------------------------------------------------------------
 
 
@@ -291,6 +334,7 @@ def build_dsn(
             raise ValueError(f"status {rcpt.status!r} is not an RFC 3463 code")
     now = _aware(now)
     data = _crlf(bytes(original.data))
+    size = len(data) if original.size is None else original.size
     host = _clean(reporting_mta, utf8=False).strip() or "localhost"
 
     # 2. flavour
@@ -301,10 +345,13 @@ def build_dsn(
     )
 
     # 3. what to return
-    full, why_headers = _returns_full(kind, original.ret, len(data), max_dsn_size)
+    full, why_headers = _returns_full(kind, original.ret, size, max_dsn_size)
+    if full and original.size is not None:
+        raise ValueError("this report returns the full message: pass all of it, not its headers")
     returned = data if full else _header_block(data)
 
-    # 4-6. the parts
+    # 4-6. the parts, each (header, body): the original's body is joined into
+    # the report once, at the end, and never copied on the way
     text = _human_text(kind, recipients, host, full, why_headers, postmaster, utf8)
     status = _delivery_status(original, recipients, host, utf8)
     parts = [
@@ -315,7 +362,7 @@ def build_dsn(
 
     # 7. boundary, header, assembly
     boundary = _boundary(original.qid, now, host, parts)
-    has_8bit = any(not p.isascii() for p in parts)
+    has_8bit = any(not piece.isascii() for part in parts for piece in part)
     report_type = "global-delivery-status" if utf8 else "delivery-status"
     header = [
         f"From: Mail Delivery System <MAILER-DAEMON@{host}>",
@@ -333,8 +380,8 @@ def build_dsn(
     out = [CRLF.join(header).encode("utf-8"), b"\r\n\r\n"]
     # The preamble is for MIME-unaware readers only.
     out.append(b"This is a MIME-encapsulated message.\r\n\r\n")
-    for part in parts:
-        out += [b"--", boundary.encode("ascii"), b"\r\n", part, b"\r\n"]
+    for head, body in parts:
+        out += [b"--", boundary.encode("ascii"), b"\r\n", head, body, b"\r\n"]
     out += [b"--", boundary.encode("ascii"), b"--\r\n"]
     return b"".join(out)
 
@@ -563,6 +610,9 @@ def _header_block(data: bytes) -> bytes:
 
 def _crlf(data: bytes) -> bytes:
     """Every line end as CRLF: a report mixes our lines with the original's."""
+    crlf = data.count(b"\r\n")
+    if data.count(b"\r") == crlf and data.count(b"\n") == crlf:
+        return data  # already so (as stored mail is): no copy of a large body
     return _LINE_ENDS.sub(b"\r\n", data)
 
 
@@ -587,11 +637,13 @@ def _status_headers(status: str, utf8: bool) -> list[str]:
     ]
 
 
-def _part(headers: Iterable[str], body: bytes) -> bytes:
-    """A body part without its boundary. The CRLF written before the next
-    boundary line belongs to that boundary (RFC 2046 §5.1.1), so the body's
-    own last CRLF survives and the returned message comes back whole."""
-    return CRLF.join(headers).encode("utf-8") + b"\r\n\r\n" + body
+def _part(headers: Iterable[str], body: bytes) -> tuple[bytes, bytes]:
+    """A body part without its boundary, as (header with its empty line, body):
+    kept apart so a large body is copied only into the finished report. The
+    CRLF written before the next boundary line belongs to that boundary (RFC
+    2046 §5.1.1), so the body's own last CRLF survives and the returned
+    message comes back whole."""
+    return CRLF.join(headers).encode("utf-8") + b"\r\n\r\n", body
 
 
 def _field(name: str, value: str) -> str:
@@ -640,11 +692,12 @@ def _message_id(
     return f"<{local}@{host}>"
 
 
-def _boundary(qid: str, now: datetime, host: str, parts: Sequence[bytes]) -> str:
-    """A boundary that no part contains, readable like Postfix's ``qid.time/host``."""
+def _boundary(qid: str, now: datetime, host: str, parts: Sequence[tuple[bytes, bytes]]) -> str:
+    """A boundary that no part contains, readable like Postfix's ``qid.time/host``.
+    (A boundary has no CR or LF, so it cannot straddle a part's header and body.)"""
     base = _BCHARS.sub("", f"{qid}.{int(now.timestamp())}/{host}")[:60]
     candidate, n = base, 0
-    while any(b"--" + candidate.encode("ascii") in part for part in parts):
+    while any(b"--" + candidate.encode("ascii") in piece for part in parts for piece in part):
         n += 1
         candidate = f"{base}.{_digest(base, str(n))[:10]}"
     return candidate

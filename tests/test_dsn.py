@@ -22,7 +22,10 @@ from queues.dsn import (
     diagnostic_code,
     dsn_transport,
     dsn_wanted,
+    header_block_in,
     is_dsn,
+    returns_full,
+    truncated_header_block,
 )
 
 NOW = datetime(2025, 3, 4, 17, 6, 7, tzinfo=UTC)
@@ -419,6 +422,68 @@ def test_a_message_above_max_dsn_size_returns_only_headers_even_with_ret_full():
     assert b"the numbers are attached" not in dsn
     text = " ".join(parts(dsn)[0].get_content().split())
     assert f"larger than {len(DATA) - 1} bytes" in text
+
+
+# An original read without its body (queues.services.notify) ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "ret", "size", "full"),
+    [
+        (FAILURE, "", 100, True),
+        (FAILURE, "FULL", 100, True),
+        (FAILURE, "hdrs", 100, False),
+        (FAILURE, "", 101, False),
+        (DELAY, "FULL", 1, False),
+        (SUCCESS, "", 1, False),
+    ],
+)
+def test_returns_full_decides_before_the_body_is_read(kind, ret, size, full):
+    assert returns_full(kind, ret, size, 100) is full
+
+
+@pytest.mark.parametrize(
+    ("kind", "recipient", "ret"), [(FAILURE, failed(), "HDRS"), (DELAY, delayed(), "")]
+)
+def test_a_report_from_the_header_block_and_size_equals_one_from_the_whole_message(
+    kind, recipient, ret
+):
+    whole = build(kind, [recipient], orig=original(ret=ret))
+    headers_only = original(ret=ret, data=HEADERS, size=len(DATA))
+    assert build(kind, [recipient], orig=headers_only) == whole
+
+
+def test_the_size_given_decides_against_max_dsn_size():
+    dsn = build(FAILURE, [failed()], orig=original(data=HEADERS, size=BIG + 1))
+    assert parts(dsn)[2].get_content_type() == "text/rfc822-headers"
+    assert f"larger than {BIG} bytes" in " ".join(parts(dsn)[0].get_content().split())
+
+
+def test_a_header_block_cannot_stand_for_a_message_returned_in_full():
+    with pytest.raises(ValueError, match="full message"):
+        build(FAILURE, [failed()], orig=original(data=HEADERS, size=len(DATA)))
+
+
+@pytest.mark.parametrize(
+    ("prefix", "whole", "expected"),
+    [
+        (DATA[:20], False, None),  # the headers go on: read more
+        (HEADERS, False, None),  # the empty line is not in it yet
+        (HEADERS + b"\r\n", False, HEADERS),
+        (DATA, True, HEADERS),
+        (HEADERS[:-2], True, HEADERS),  # a message of headers only, no final line end
+        (b"\r\nbody", False, b""),
+        (b"A: 1\nB: 2\n\nbody", False, b"A: 1\r\nB: 2\r\n"),
+        (b"A: 1\r\n\r", False, b"A: 1\r\n"),  # a lone CR ends a line, as in a report
+    ],
+)
+def test_header_block_in_a_prefix(prefix, whole, expected):
+    assert header_block_in(prefix, whole=whole) == expected
+
+
+def test_a_truncated_header_block_keeps_complete_lines_only():
+    assert truncated_header_block(HEADERS + b"X-Long: abc") == HEADERS
+    assert truncated_header_block(b"X-Long: abc") == b""
 
 
 def test_the_original_may_contain_the_boundary():
