@@ -6,9 +6,15 @@ Every list is one indexed query (see migration 0003 for the index each filter
 uses) and pages by keyset, never by OFFSET, so page 10,000 of a million
 queued messages costs what page 1 costs.
 
-Filters are parsed from plain string parameters (a query string, CLI options,
-the ``filter`` object of a bulk action) by ``MessageFilter.from_params``;
-``MessageFilter.as_params`` gives them back for links and the audit log.
+Each filter parameter is declared once, as a ``FilterParam`` row of
+``MESSAGE_FILTERS`` or ``QUEUE_FILTERS``: its name, how its value is parsed
+and what it means. That row feeds every edge (``queues.spec`` renders it as
+the Queue Viewer's form field, the API's query parameter and OpenAPI entry,
+and the command's option) and the query (``MessageFilter.from_params`` parses
+the row's value into the field of the same name that ``queryset`` reads).
+Parameters come as plain strings (a query string, CLI options, the ``filter``
+object of a bulk action); ``MessageFilter.as_params`` gives them back for
+links and the audit log.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from email.parser import BytesHeaderParser
@@ -232,9 +238,137 @@ def _choices(value: str, name: str, choices: Iterable[str]) -> list[str]:
     return out
 
 
+def _bool(value: str, name: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+# How a parameter's string becomes a value, by kind (each raises FilterError).
+_PARSERS: dict[str, Callable[[str, str], Any]] = {
+    "text": _text,
+    "domain": lambda value, name: _text(value, name).lower().rstrip(".").lstrip("@"),
+    "int": _int,
+    "when": _when,
+    "size": _size,
+    "bool": _bool,
+}
+# Where a parameter appears: the Queue Viewer's filter form, the API, the commands.
+EDGES = frozenset({"form", "api", "cli"})
+
+
+@dataclass(frozen=True)
+class FilterParam:
+    """One filter parameter, declared once for every edge and for the query.
+
+    ``name`` is the query parameter, the form field and (``--name-with-dashes``)
+    the command's option; ``attr`` the field of the filter object it fills.
+    """
+
+    name: str
+    kind: str  # a key of _PARSERS, or "choices" (a comma list of ``choices``' values)
+    help: str  # what it means: the API's and the command's description
+    label: str = ""  # the form's label (default: from the name)
+    hint: str = ""  # the form's placeholder
+    choices: Callable[[], Sequence[tuple[str, str]]] | None = None
+    attr: str = ""
+    edges: frozenset[str] = EDGES
+
+    @property
+    def field_name(self) -> str:
+        return self.attr or self.name
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def values(self) -> list[str]:
+        return [value for value, _ in (self.choices() if self.choices else [])]
+
+    def parse(self, raw: str) -> Any:
+        if self.kind == "choices":
+            return _choices(raw, self.name, self.values())
+        return _PARSERS[self.kind](raw, self.name)
+
+
+def _parse_into(target: Any, table: Sequence[FilterParam], params: Mapping[str, Any]) -> None:
+    """Fill ``target``'s fields from the non-empty ``params`` of ``table`` (others ignored)."""
+    for spec in table:
+        raw = params.get(spec.name)
+        if raw is None or not str(raw).strip():
+            continue
+        value = str(raw)
+        target.params[spec.name] = value
+        setattr(target, spec.field_name, spec.parse(value))
+
+
+_WHEN = "2h, 30m, 1d or an ISO time"
+_SIZE = "bytes, or 10K, 2MB"
+
+# In the order the Queue Viewer's filter bar shows them.
+MESSAGE_FILTERS: tuple[FilterParam, ...] = (
+    FilterParam(
+        "sender",
+        "text",
+        'substring of MAIL FROM ("<>": null sender)',
+        hint="substring; <> for the null sender",
+    ),
+    FilterParam(
+        "recipient", "text", "substring of any recipient address", hint="substring of any recipient"
+    ),
+    FilterParam("domain", "domain", "a recipient domain, exactly", label="Recipient domain"),
+    FilterParam("subject", "text", "substring of the Subject"),
+    FilterParam("message_id", "text", "substring of the Message-ID header", label="Message-ID"),
+    FilterParam("qid", "text", "queue id, exactly", label="Queue id"),
+    FilterParam(
+        "status",
+        "choices",
+        "any of (comma list): " + ", ".join(MessageStatus.values),
+        choices=lambda: MessageStatus.choices,
+    ),
+    FilterParam(
+        "source",
+        "choices",
+        "any of (comma list): " + ", ".join(MessageSource.values),
+        choices=lambda: MessageSource.choices,
+    ),
+    FilterParam("queue", "int", "a recipient is in this queue (id)", label="Queue (number)"),
+    FilterParam(
+        "newer_than",
+        "when",
+        f"received since: {_WHEN}",
+        label="Received within",
+        hint="e.g. 30m, 2h, or an ISO time",
+    ),
+    FilterParam(
+        "older_than",
+        "when",
+        f"received before: {_WHEN}",
+        label="Older than",
+        hint="e.g. 4h, 2d, or an ISO time",
+    ),
+    FilterParam("min_size", "size", _SIZE, label="Size at least", hint="e.g. 10K, 2MB"),
+    FilterParam("max_size", "size", _SIZE, label="Size at most"),
+    FilterParam(
+        "error",
+        "text",
+        "substring of a deferred or failed recipient's last reply",
+        label="Last error",
+        hint="substring",
+    ),
+    FilterParam(
+        "error_group",
+        "text",
+        "a normalised error (deferrals grouped by error, /api/v1/errors/)",
+        edges=frozenset({"api", "cli"}),
+    ),
+)
+
+
 @dataclass
 class MessageFilter:
-    """What the operator asked to see. Empty fields do not filter."""
+    """What the operator asked to see. Empty fields do not filter.
+
+    One field per row of MESSAGE_FILTERS (same name), filled by ``from_params``.
+    """
 
     qid: str = ""  # exact queue id
     sender: str = ""  # substring of MAIL FROM; "<>" is the null sender
@@ -254,52 +388,13 @@ class MessageFilter:
     # The raw parameters, as given (kept for the audit log and for links).
     params: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
-    PARAMS = (
-        "qid",
-        "sender",
-        "recipient",
-        "domain",
-        "message_id",
-        "subject",
-        "status",
-        "queue",
-        "older_than",
-        "newer_than",
-        "min_size",
-        "max_size",
-        "error",
-        "error_group",
-        "source",
-    )
+    PARAMS = tuple(spec.name for spec in MESSAGE_FILTERS)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> MessageFilter:
         """Parse the filter parameters of ``params``; other keys are ignored."""
         f = cls()
-        for name in cls.PARAMS:
-            raw = params.get(name)
-            if raw is None:
-                continue
-            value = str(raw)
-            if not value.strip():
-                continue
-            f.params[name] = value
-            if name in ("qid", "sender", "recipient", "message_id", "subject", "error"):
-                setattr(f, name, _text(value, name))
-            elif name == "error_group":
-                f.error_group = _text(value, name)
-            elif name == "domain":
-                f.domain = _text(value, name).lower().rstrip(".").lstrip("@")
-            elif name == "status":
-                f.status = _choices(value, name, MessageStatus.values)
-            elif name == "source":
-                f.source = _choices(value, name, MessageSource.values)
-            elif name == "queue":
-                f.queue = _int(value, name)
-            elif name in ("older_than", "newer_than"):
-                setattr(f, name, _when(value, name))
-            elif name in ("min_size", "max_size"):
-                setattr(f, name, _size(value, name))
+        _parse_into(f, MESSAGE_FILTERS, params)
         return f
 
     def as_params(self) -> dict[str, str]:
@@ -515,8 +610,31 @@ def messages_prefetch(messages: Sequence[Message]) -> dict[int, list[Recipient]]
 # --- queues -----------------------------------------------------------------
 
 
+QUEUE_FILTERS: tuple[FilterParam, ...] = (
+    FilterParam("name", "text", "substring of the queue name", label="Next-hop domain"),
+    FilterParam(
+        "type",
+        "choices",
+        "delivery type(s), comma list: " + ", ".join(DeliveryType.values),
+        label="Type",
+        choices=lambda: DeliveryType.choices,
+        attr="delivery_type",
+    ),
+    FilterParam(
+        "status",
+        "choices",
+        "any of (comma list): " + ", ".join(QueueStatus.values),
+        choices=lambda: QueueStatus.choices,
+    ),
+    FilterParam("link", "int", "the link (next hop) id", edges=frozenset({"api", "cli"})),
+    FilterParam("nonempty", "bool", "only queues with messages", label="Only with messages"),
+)
+
+
 @dataclass
 class QueueFilter:
+    """One field per row of QUEUE_FILTERS (``type`` fills ``delivery_type``)."""
+
     name: str = ""  # substring of the queue name (the next-hop domain)
     delivery_type: list[str] = field(default_factory=list)
     status: list[str] = field(default_factory=list)
@@ -527,22 +645,7 @@ class QueueFilter:
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> QueueFilter:
         f = cls()
-        for name in ("name", "type", "status", "link", "nonempty"):
-            raw = params.get(name)
-            if raw is None or not str(raw).strip():
-                continue
-            value = str(raw)
-            f.params[name] = value
-            if name == "name":
-                f.name = _text(value, name)
-            elif name == "type":
-                f.delivery_type = _choices(value, name, DeliveryType.values)
-            elif name == "status":
-                f.status = _choices(value, name, QueueStatus.values)
-            elif name == "link":
-                f.link = _int(value, name)
-            elif name == "nonempty":
-                f.nonempty = value.strip().lower() in ("1", "true", "yes", "on")
+        _parse_into(f, QUEUE_FILTERS, params)
         return f
 
     def as_params(self) -> dict[str, str]:
@@ -654,8 +757,11 @@ def message_body_preview(message: Message, limit: int = 64 * 1024) -> tuple[str,
 
 
 __all__ = [
+    "MESSAGE_FILTERS",
+    "QUEUE_FILTERS",
     "AuditFilter",
     "FilterError",
+    "FilterParam",
     "MessageFilter",
     "MessageStatus",
     "Page",

@@ -73,6 +73,17 @@ class IsOperator(BasePermission):
         return can_act(request.user)
 
 
+class RoleRequired(BasePermission):
+    """At least ``role`` (an action's required role, from the tables of queues.spec)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.message = f"this needs the {role} role"
+
+    def has_permission(self, request, view) -> bool:
+        return has_role(request.user, self.role)
+
+
 class CanReadContent(BasePermission):
     message = "message content needs the operator role"
 

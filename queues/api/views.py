@@ -1,6 +1,10 @@
 """REST API v1: thin edges over queues.filters (reading) and
 queues.services.actions (changing). Every action calls one service.
 
+Filter parameters and their OpenAPI entries come from the filter declarations
+(queues.filters.MESSAGE_FILTERS, QUEUE_FILTERS); the action endpoints, their
+roles and the bulk actions from the action tables (queues.spec).
+
 Errors are ``{"detail": "..."}``: 400 for a filter, cursor or body that
 cannot be understood, 401 anonymous, 403 missing role, 404 unknown id,
 409 an action that makes no sense in the current state (nothing changed).
@@ -9,7 +13,6 @@ cannot be understood, 401 anonymous, 403 missing role, 404 unknown id,
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +41,8 @@ from queues.api.serializers import (
     RemoveSerializer,
 )
 from queues.filters import (
+    MESSAGE_FILTERS,
+    QUEUE_FILTERS,
     AuditFilter,
     FilterError,
     MessageFilter,
@@ -52,10 +57,26 @@ from queues.filters import (
     queues_page,
 )
 from queues.models import AuditEntry, Link, Message, Queue
-from queues.permissions import CanReadContent, IsOperator, IsViewer, can_read_content
+from queues.permissions import (
+    OPERATOR,
+    CanReadContent,
+    IsViewer,
+    RoleRequired,
+    can_read_content,
+)
 from queues.services import actions
-from queues.services.actions import ActionConflict, ActionTooLarge, MessageAction, QueueAction, Via
+from queues.services.actions import ActionConflict, ActionTooLarge, Via
 from queues.services.counts import error_groups, qshape, queue_history
+from queues.spec import (
+    MESSAGE_ACTIONS,
+    QUEUE_ACTIONS,
+    OperatorAction,
+    actions_for,
+    openapi_parameters,
+)
+
+API_MESSAGE_ACTIONS = actions_for(MESSAGE_ACTIONS, "api")
+API_QUEUE_ACTIONS = actions_for(QUEUE_ACTIONS, "api")
 
 
 class BadRequest(APIException):
@@ -157,35 +178,48 @@ CURSOR_PARAMS = [
     OpenApiParameter("limit", int, description="rows per page"),
 ]
 MESSAGE_FILTER_PARAMS = [
-    OpenApiParameter("qid", str, description="queue id, exactly"),
-    OpenApiParameter("sender", str, description='substring of MAIL FROM ("<>": null sender)'),
-    OpenApiParameter("recipient", str, description="substring of any recipient address"),
-    OpenApiParameter("domain", str, description="a recipient domain, exactly"),
-    OpenApiParameter("message_id", str, description="substring of the Message-ID header"),
-    OpenApiParameter("subject", str, description="substring of the Subject"),
-    OpenApiParameter(
-        "status", str, description=f"any of (comma list): {', '.join(MessageStatus.values)}"
-    ),
-    OpenApiParameter("queue", int, description="a recipient is in this queue"),
-    OpenApiParameter("older_than", str, description="received before: 2h, 30m, 1d or ISO time"),
-    OpenApiParameter("newer_than", str, description="received since: 2h, 30m, 1d or ISO time"),
-    OpenApiParameter("min_size", str, description="bytes, or 10K, 2MB"),
-    OpenApiParameter("max_size", str, description="bytes, or 10K, 2MB"),
-    OpenApiParameter("error", str, description="substring of a deferred/failed recipient's reply"),
-    OpenApiParameter("error_group", str, description="a normalised error from /api/v1/errors/"),
-    OpenApiParameter("source", str, description="smtp, pickup, replay, dsn (comma list)"),
+    *openapi_parameters(MESSAGE_FILTERS),
     OpenApiParameter("sort", str, description="received, size, id; - for descending (-received)"),
     *CURSOR_PARAMS,
 ]
 QUEUE_FILTER_PARAMS = [
-    OpenApiParameter("name", str, description="substring of the queue name"),
-    OpenApiParameter("type", str, description="delivery type(s), comma list"),
-    OpenApiParameter("status", str, description="ready, active, retry, suspended (comma list)"),
-    OpenApiParameter("link", int),
-    OpenApiParameter("nonempty", bool),
+    *openapi_parameters(QUEUE_FILTERS),
     OpenApiParameter("sort", str, description="name, count, type, incoming, outgoing, id (-count)"),
     *CURSOR_PARAMS,
 ]
+
+
+def _action_permissions(view_action: str | None, table: dict[str, OperatorAction]):
+    """The role an action endpoint needs (bulk: an operator), else None."""
+    if view_action in table:
+        return [RoleRequired(table[view_action].role)]
+    if view_action == "bulk":
+        return [RoleRequired(OPERATOR)]
+    return None
+
+
+def _bulk_selection(data: dict, model, parse) -> tuple[Any, dict[str, Any]]:
+    """A bulk body's selection (``ids`` or ``filter``) and how to record it."""
+    if "ids" in data:
+        return model.objects.filter(id__in=data["ids"]), {"ids": data["ids"]}
+    params = _filter_params(data["filter"])
+    return parse(params).queryset(), {"filter": params}
+
+
+def _bulk(request: Request, table: dict[str, OperatorAction], model, parse) -> Response:
+    """A bulk action on ``ids``, or on a ``filter``: without ``confirm: true`` the
+    answer is the action's own count of what it would change, and nothing changes."""
+    body = BulkSerializer(data=request.data)
+    body.is_valid(raise_exception=True)
+    data = body.validated_data
+    spec = table.get(data["action"])
+    if spec is None:
+        raise BadRequest(f"action: one of {', '.join(table)}")
+    qs, audit = _bulk_selection(data, model, parse)
+    if "filter" in data and not data["confirm"]:
+        return Response(_bulk_result(spec.name, spec.preview(qs), False))
+    count = spec.apply(qs, request_actor(request), Via.API, ndr=data["ndr"], **audit)
+    return Response(_bulk_result(spec.name, count, True))
 
 
 def _paginated(serializer):
@@ -210,9 +244,7 @@ class QueueViewSet(OperatorAPI, viewsets.GenericViewSet):
     permission_classes = [IsViewer]
 
     def get_permissions(self):
-        if self.action in ("retry", "resubmit", "suspend", "resume", "bulk"):
-            return [IsOperator()]
-        return [IsViewer()]
+        return _action_permissions(self.action, API_QUEUE_ACTIONS) or [IsViewer()]
 
     @extend_schema(parameters=QUEUE_FILTER_PARAMS, responses=_paginated(QueueSerializer))
     def list(self, request: Request) -> Response:
@@ -223,52 +255,11 @@ class QueueViewSet(OperatorAPI, viewsets.GenericViewSet):
     def retrieve(self, request: Request, pk=None) -> Response:
         return Response(self.get_serializer(self.get_object()).data)
 
-    def _act(self, service) -> Response:
-        queue = self.get_object()
-        service(queue, request_actor(self.request), Via.API)
-        return Response(self.get_serializer(queue).data)
-
-    @extend_schema(request=None, responses=QueueSerializer)
-    @action(detail=True, methods=["post"])
-    def retry(self, request: Request, pk=None) -> Response:
-        """Retry now: clear the link's retry time, make the waiting messages due now."""
-        return self._act(actions.queue_retry)
-
-    @extend_schema(request=None, responses=QueueSerializer)
-    @action(detail=True, methods=["post"])
-    def resubmit(self, request: Request, pk=None) -> Response:
-        """Send the waiting messages back to the categorizer."""
-        return self._act(actions.queue_resubmit)
-
-    @extend_schema(request=None, responses=QueueSerializer)
-    @action(detail=True, methods=["post"])
-    def suspend(self, request: Request, pk=None) -> Response:
-        return self._act(actions.queue_suspend)
-
-    @extend_schema(request=None, responses=QueueSerializer)
-    @action(detail=True, methods=["post"])
-    def resume(self, request: Request, pk=None) -> Response:
-        return self._act(actions.queue_resume)
-
     @extend_schema(request=BulkSerializer, responses=BulkResultSerializer)
     @action(detail=False, methods=["post"])
     def bulk(self, request: Request) -> Response:
         """A queue action on ``ids``, or on a ``filter`` (needs ``confirm: true``)."""
-        body = BulkSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
-        if data["action"] not in QueueAction.values:
-            raise BadRequest(f"action: one of {', '.join(QueueAction.values)}")
-        if "ids" in data:
-            qs, audit = Queue.objects.filter(id__in=data["ids"]), {"ids": data["ids"]}
-        else:
-            params = _filter_params(data["filter"])
-            qs, audit = QueueFilter.from_params(params).queryset(), {"filter": params}
-            if not data["confirm"]:
-                count = qs.count()
-                return Response(_bulk_result(data["action"], count, False))
-        count = actions.queues_apply(data["action"], qs, request_actor(request), Via.API, **audit)
-        return Response(_bulk_result(data["action"], count, True))
+        return _bulk(request, API_QUEUE_ACTIONS, Queue, QueueFilter.from_params)
 
     @extend_schema(
         responses=inline_serializer(
@@ -355,8 +346,9 @@ class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
         return super().get_object()
 
     def get_permissions(self):
-        if self.action in ("suspend", "resume", "resubmit", "remove", "bulk"):
-            return [IsOperator()]
+        by_action = _action_permissions(self.action, API_MESSAGE_ACTIONS)
+        if by_action:
+            return by_action
         if self.action in ("export", "bulk_export"):
             return [CanReadContent()]
         return [IsViewer()]
@@ -380,34 +372,6 @@ class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
     def retrieve(self, request: Request, pk=None) -> Response:
         return Response(self.get_serializer(self.get_object()).data)
 
-    def _act(self, service, **kwargs) -> Response:
-        message = self.get_object()
-        service(message, request_actor(self.request), Via.API, **kwargs)
-        return Response(self.get_serializer(message).data)
-
-    @extend_schema(request=None, responses=MessageDetailSerializer)
-    @action(detail=True, methods=["post"])
-    def suspend(self, request: Request, pk=None) -> Response:
-        return self._act(actions.message_suspend)
-
-    @extend_schema(request=None, responses=MessageDetailSerializer)
-    @action(detail=True, methods=["post"])
-    def resume(self, request: Request, pk=None) -> Response:
-        return self._act(actions.message_resume)
-
-    @extend_schema(request=None, responses=MessageDetailSerializer)
-    @action(detail=True, methods=["post"])
-    def resubmit(self, request: Request, pk=None) -> Response:
-        return self._act(actions.message_resubmit)
-
-    @extend_schema(request=RemoveSerializer, responses=MessageDetailSerializer)
-    @action(detail=True, methods=["post"])
-    def remove(self, request: Request, pk=None) -> Response:
-        """Fail every recipient not yet final; ``{"ndr": true}`` also sends an NDR."""
-        body = RemoveSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        return self._act(actions.message_remove, ndr=body.validated_data["ndr"])
-
     @extend_schema(responses={(200, "message/rfc822"): OpenApiTypes.BINARY})
     @action(
         detail=True,
@@ -428,25 +392,8 @@ class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
     @action(detail=False, methods=["post"])
     def bulk(self, request: Request) -> Response:
         """A message action on ``ids``, or on a ``filter`` (needs ``confirm: true``:
-        without it the answer is how many messages it would touch, and nothing changes)."""
-        body = BulkSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
-        if data["action"] not in MessageAction.values:
-            raise BadRequest(f"action: one of {', '.join(MessageAction.values)}")
-        if "ids" in data:
-            qs, audit = Message.objects.filter(id__in=data["ids"]), {"ids": data["ids"]}
-        else:
-            params = _filter_params(data["filter"])
-            qs = MessageFilter.from_params(params).queryset()
-            audit = {"filter": params}
-            if not data["confirm"]:
-                count = actions.messages_count(qs, data["action"])
-                return Response(_bulk_result(data["action"], count, False))
-        count = actions.messages_apply(
-            data["action"], qs, request_actor(request), Via.API, ndr=data["ndr"], **audit
-        )
-        return Response(_bulk_result(data["action"], count, True))
+        without it the answer is how many messages it would change, and nothing changes)."""
+        return _bulk(request, API_MESSAGE_ACTIONS, Message, MessageFilter.from_params)
 
     @extend_schema(
         request=ExportSerializer, responses={(200, "application/zip"): OpenApiTypes.BINARY}
@@ -467,10 +414,8 @@ class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
         else:
             params = _filter_params(data["filter"])
             qs, audit = MessageFilter.from_params(params).queryset(), {"filter": params}
-        # FileResponse closes it when the response is done.
-        out = tempfile.SpooledTemporaryFile(max_size=16 * 1024 * 1024)  # noqa: SIM115
-        actions.messages_export_zip(qs, out, request_actor(request), Via.API, **audit)
-        out.seek(0)
+        # Built in a temporary file, streamed from it; FileResponse closes it when done.
+        out = actions.messages_export_zip_file(qs, request_actor(request), Via.API, **audit)
         stamp = clock.now().strftime("%Y%m%dT%H%M%SZ")
         return FileResponse(
             out,
@@ -478,6 +423,36 @@ class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
             filename=f"messages-{stamp}.zip",
             content_type="application/zip",
         )
+
+
+# --- one POST endpoint per action of the tables -------------------------------------
+
+
+def _action_endpoint(spec: OperatorAction, serializer) -> Any:
+    """``POST /<target>s/{id}/<name>/``: the action on one row, answering the row."""
+
+    def endpoint(self, request: Request, pk=None) -> Response:
+        target = self.get_object()
+        ndr = None
+        if spec.takes_ndr:
+            body = RemoveSerializer(data=request.data)
+            body.is_valid(raise_exception=True)
+            ndr = body.validated_data["ndr"]
+        spec.run(target, request_actor(request), Via.API, ndr=ndr)
+        return Response(self.get_serializer(target).data)
+
+    endpoint.__name__ = spec.name
+    endpoint.__doc__ = spec.help[0].upper() + spec.help[1:] + "."
+    schema = extend_schema(
+        request=RemoveSerializer if spec.takes_ndr else None, responses=serializer
+    )
+    return schema(action(detail=True, methods=["post"])(endpoint))
+
+
+for _spec in API_QUEUE_ACTIONS.values():
+    setattr(QueueViewSet, _spec.name, _action_endpoint(_spec, QueueSerializer))
+for _spec in API_MESSAGE_ACTIONS.values():
+    setattr(MessageViewSet, _spec.name, _action_endpoint(_spec, MessageDetailSerializer))
 
 
 # --- audit ---------------------------------------------------------------------------

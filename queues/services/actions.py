@@ -13,13 +13,16 @@ Every action
 
 Bulk forms (``messages_apply``, ``queues_apply``) act on every message or
 queue of a selection for which the action makes sense and skip the others;
-they return how many they changed.
+they return how many they changed. ``messages_select`` / ``queues_select``
+are the query that says which: the bulk form changes exactly its rows and
+the preview (``messages_count`` / ``queues_count``) counts it.
 """
 
 from __future__ import annotations
 
+import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import IO, Any
 
@@ -27,6 +30,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import models, transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models.functions import Substr
 
 from queues import clock
 from queues.models import (
@@ -53,7 +57,21 @@ from queues.signals import categorizer_work, link_work
 REMOVED_ENHANCED = "5.7.0"
 
 CHUNK = 1000  # ids per statement in bulk actions
+# What a removal fails: every recipient not final and not in flight.
+REMOVABLE_RECIPIENT_STATES = (
+    RecipientState.SUBMITTED,
+    RecipientState.QUEUED,
+    RecipientState.DEFERRED,
+)
 MAX_EXPORT = 1000  # messages in one bulk export
+# A zip export reads each body in pieces of this size (SUBSTRING on the server),
+# so it holds one piece at a time, however large the messages.
+EXPORT_PIECE = 1024 * 1024
+# A zip export stays in memory up to this size, then goes to a temporary file.
+EXPORT_SPOOL = 1024 * 1024
+# A piece goes into the zip in slices of this size: the compressor's output for
+# one call stays small.
+ZIP_WRITE = 64 * 1024
 
 Actor = AbstractBaseUser | str
 
@@ -64,18 +82,20 @@ class Via(models.TextChoices):
     CLI = "cli", "command line"
 
 
+# The services' action names. Labels, past tenses, help and roles are the
+# operator surface's, declared once in queues.spec.
 class MessageAction(models.TextChoices):
-    SUSPEND = "suspend", "Suspend"
-    RESUME = "resume", "Resume"
-    RESUBMIT = "resubmit", "Resubmit"
-    REMOVE = "remove", "Remove"
+    SUSPEND = "suspend"
+    RESUME = "resume"
+    RESUBMIT = "resubmit"
+    REMOVE = "remove"
 
 
 class QueueAction(models.TextChoices):
-    RETRY = "retry", "Retry now"
-    RESUBMIT = "resubmit", "Resubmit"
-    SUSPEND = "suspend", "Suspend"
-    RESUME = "resume", "Resume"
+    RETRY = "retry"
+    RESUBMIT = "resubmit"
+    SUSPEND = "suspend"
+    RESUME = "resume"
 
 
 class ActionConflict(Exception):
@@ -152,13 +172,9 @@ def _resubmit_recipients(recipients: QuerySet[Recipient], now: datetime) -> int:
         message__state=MessageState.CATEGORIZING
     )
     poisoned = waiting.filter(queue__delivery_type=DeliveryType.POISON).values("message_id")
-    Message.objects.filter(id__in=poisoned).update(suspended=False, crash_count=0)
-    Message.objects.filter(id__in=waiting.values("message_id"), state=MessageState.QUEUED).update(
-        state=MessageState.SUBMISSION, next_attempt_at=now
-    )
-    return waiting.update(
-        queue=None, state=RecipientState.SUBMITTED, next_attempt_at=now, lease_until=None
-    )
+    Message.objects.filter(id__in=poisoned).update(suspended=False, crash_count=0, isolate=False)
+    Message.objects.filter(id__in=waiting.values("message_id")).back_to_submission(now)
+    return waiting.back_to_submission(now)
 
 
 def _links_with_waiting(message_ids: Iterable[int]) -> set[int]:
@@ -278,11 +294,7 @@ def _remove(
         rows = list(
             Recipient.objects.filter(
                 message_id__in=chunk,
-                state__in=[
-                    RecipientState.SUBMITTED,
-                    RecipientState.QUEUED,
-                    RecipientState.DEFERRED,
-                ],
+                state__in=REMOVABLE_RECIPIENT_STATES,
             )
             .exclude(message__state=MessageState.CATEGORIZING)
             # locked: a delivery claim cannot take these rows between read and update
@@ -427,6 +439,41 @@ def queue_resume(queue: Queue, actor: Actor, via: str) -> int:
     return _queue_action(QueueAction.RESUME, queue, actor, via)
 
 
+def _queue_has_waiting() -> Exists:
+    return Exists(
+        Recipient.objects.filter(queue=OuterRef("pk"), state__in=WAITING_RECIPIENT_STATES)
+    )
+
+
+def _delivery_queues(queryset: QuerySet[Queue]) -> QuerySet[Queue]:
+    return queryset.exclude(delivery_type=DeliveryType.SUBMISSION)
+
+
+# The queues of a selection each action changes: exactly those its core above
+# accepts without an ActionConflict. The preview counts this query and the
+# bulk form runs on it, so the two cannot disagree.
+QUEUE_SELECTIONS: dict[str, Callable[[QuerySet[Queue]], QuerySet[Queue]]] = {
+    QueueAction.RETRY: lambda qs: _delivery_queues(qs).filter(
+        _queue_has_waiting(),
+        Q(delivery_type=DeliveryType.UNREACHABLE) | Q(link__isnull=False),
+        suspended=False,
+    ),
+    QueueAction.RESUBMIT: lambda qs: _delivery_queues(qs).filter(_queue_has_waiting()),
+    QueueAction.SUSPEND: lambda qs: _delivery_queues(qs).filter(suspended=False),
+    QueueAction.RESUME: lambda qs: _delivery_queues(qs).filter(suspended=True),
+}
+
+
+def queues_select(action: str, queryset: QuerySet[Queue]) -> QuerySet[Queue]:
+    """The queues of a selection that ``queues_apply(action, …)`` changes."""
+    return QUEUE_SELECTIONS[QueueAction(action).value](queryset)
+
+
+def queues_count(queryset: QuerySet[Queue], action: str) -> int:
+    """The preview of a bulk queue action: how many queues ``queues_apply`` would change."""
+    return queues_select(action, queryset).count()
+
+
 def queues_apply(
     action: str,
     queryset: QuerySet[Queue],
@@ -444,12 +491,12 @@ def queues_apply(
     changed = 0
     messages = 0
     with transaction.atomic():
-        for queue in queryset.select_for_update(of=("self",)).select_related("link").order_by("id"):
+        selected = queues_select(action, queryset).select_for_update(of=("self",))
+        for queue in selected.select_related("link").order_by("id"):
             try:
                 with transaction.atomic():
-                    _require_delivery_queue(queue)
                     messages += _QUEUE_ACTIONS[action](queue, clock.now())
-            except ActionConflict:
+            except ActionConflict:  # changed between the selection and its lock
                 continue
             changed += 1
         _audit(
@@ -601,6 +648,30 @@ def message_export(
     return bytes(data)
 
 
+def _body_pieces(message_id: int, piece: int = EXPORT_PIECE) -> Iterator[bytes]:
+    """A stored message's bytes in pieces of ``piece`` octets, each read from the
+    database when wanted; nothing when the message is gone."""
+    start = 0
+    while True:
+        part = Substr("data", start + 1, piece, output_field=models.BinaryField())
+        data = Message.objects.filter(pk=message_id).values_list(part, flat=True).first()
+        if data is None:
+            return
+        size = len(data)
+        yield bytes(data)
+        # Dropped before the next read: one piece alive at a time, not two.
+        del data
+        if size < piece:
+            return
+        start += size
+
+
+def _zip_write(entry: IO[bytes], data: bytes) -> None:
+    view = memoryview(data)
+    for start in range(0, len(view), ZIP_WRITE):
+        entry.write(view[start : start + ZIP_WRITE])
+
+
 def messages_export_zip(
     queryset: QuerySet[Message],
     out: IO[bytes],
@@ -613,7 +684,11 @@ def messages_export_zip(
 ) -> int:
     """Write the selected messages into a zip (one ``<qid>.eml`` each) on ``out``.
 
-    Raises ActionTooLarge past ``limit`` messages. Returns how many it wrote.
+    Bodies are read one message at a time, in pieces (``EXPORT_PIECE``) streamed
+    into the zip entry, so memory does not grow with the messages' sizes; a
+    message removed before its body is read is left out (stored bytes never
+    change, so pieces of one message always fit together). Raises
+    ActionTooLarge past ``limit`` messages. Returns how many it wrote.
     """
     count = queryset.count()
     if count > limit:
@@ -621,13 +696,92 @@ def messages_export_zip(
             f"{count} messages match; export at most {limit} at once (narrow the filter)"
         )
     written = 0
+    # At most ``limit`` small rows: the bodies are not part of this query.
+    rows = list(queryset.order_by("id").values_list("id", "qid"))
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        rows = queryset.order_by("id").values_list("qid", "data")
-        for qid, data in rows.iterator(chunk_size=50):
-            archive.writestr(f"{qid}.eml", bytes(data))
+        for message_id, qid in rows:
+            pieces = _body_pieces(message_id)
+            first = next(pieces, None)
+            if first is None:
+                continue
+            with archive.open(f"{qid}.eml", "w") as entry:
+                _zip_write(entry, first)
+                del first
+                for data in pieces:
+                    _zip_write(entry, data)
+                    del data  # before the next piece is read
             written += 1
     _audit(actor, via, "messages_export", "message", ids=ids, filter=filter, count=written)
     return written
+
+
+def messages_export_zip_file(
+    queryset: QuerySet[Message],
+    actor: Actor,
+    via: str,
+    *,
+    ids: Sequence[int] = (),
+    filter: Mapping[str, Any] | None = None,
+    limit: int = MAX_EXPORT,
+) -> IO[bytes]:
+    """``messages_export_zip`` into a temporary file (in memory up to
+    ``EXPORT_SPOOL``, then on disk), returned open at its start; the caller
+    closes it (``FileResponse`` does, once it has sent it). Raises as
+    ``messages_export_zip`` does, leaving no file behind."""
+    out = tempfile.SpooledTemporaryFile(max_size=EXPORT_SPOOL)  # noqa: SIM115
+    try:
+        messages_export_zip(queryset, out, actor, via, ids=ids, filter=filter, limit=limit)
+    except BaseException:
+        out.close()
+        raise
+    out.seek(0)
+    return out
+
+
+def _has_recipient(**conditions: Any) -> Exists:
+    return Exists(Recipient.objects.filter(message=OuterRef("pk"), **conditions))
+
+
+def _select_resubmit(qs: QuerySet[Message]) -> QuerySet[Message]:
+    # _resubmit_recipients: waiting recipients of a message not being routed;
+    # _revive_dead_letters: finished messages with failed/expired recipients in Dead-letter.
+    waiting = ~Q(state=MessageState.CATEGORIZING) & Q(
+        _has_recipient(state__in=WAITING_RECIPIENT_STATES)
+    )
+    dead_letter = Q(state=MessageState.DONE) & Q(
+        _has_recipient(
+            queue__delivery_type=DeliveryType.DEAD_LETTER,
+            state__in=[RecipientState.FAILED, RecipientState.EXPIRED],
+        )
+    )
+    return qs.filter(waiting | dead_letter)
+
+
+def _select_remove(qs: QuerySet[Message]) -> QuerySet[Message]:
+    # _remove fails the recipients not final and not in flight; a message with a
+    # recipient in flight is skipped whole (its delivery would overwrite the removal).
+    return (
+        qs.exclude(state__in=[MessageState.DONE, MessageState.CATEGORIZING])
+        .filter(_has_recipient(state__in=REMOVABLE_RECIPIENT_STATES))
+        .exclude(_has_recipient(state=RecipientState.ACTIVE))
+    )
+
+
+# The messages of a selection each action changes: exactly those its core
+# (_suspend, _resume, _resubmit, _remove) changes. The preview (UI
+# confirmation, dry_run of the API and the command) counts this query and
+# messages_apply locks and changes its rows, so the two cannot disagree.
+MESSAGE_SELECTIONS: dict[str, Callable[[QuerySet[Message]], QuerySet[Message]]] = {
+    MessageAction.SUSPEND: lambda qs: qs.filter(suspended=False).exclude(state=MessageState.DONE),
+    MessageAction.RESUME: lambda qs: qs.filter(suspended=True).exclude(state=MessageState.DONE),
+    MessageAction.RESUBMIT: _select_resubmit,
+    MessageAction.REMOVE: _select_remove,
+}
+
+
+def messages_select(action: str, queryset: QuerySet[Message]) -> QuerySet[Message]:
+    """The messages of a selection that ``messages_apply(action, …)`` changes."""
+    return MESSAGE_SELECTIONS[MessageAction(action).value](queryset)
 
 
 def messages_apply(
@@ -644,29 +798,18 @@ def messages_apply(
 
     ``ids`` or ``filter`` say how the selection was made (for the audit log).
     Messages for which the action makes no sense (done, already suspended,
-    in the categorizer or in flight) are skipped. Returns how many changed.
+    in the categorizer or in flight) are skipped: ``messages_select`` says
+    which. Returns how many changed.
     """
     action = MessageAction(action).value
     with transaction.atomic():
         now = clock.now()
-        candidates = queryset.exclude(state=MessageState.DONE)
-        if action == MessageAction.RESUBMIT:
-            # dead letters (finished messages kept in Dead-letter) may be resubmitted
-            in_dead_letter = Recipient.objects.filter(
-                message=OuterRef("pk"), queue__delivery_type=DeliveryType.DEAD_LETTER
-            )
-            candidates = queryset.filter(~Q(state=MessageState.DONE) | Exists(in_dead_letter))
-        if action in (MessageAction.RESUBMIT, MessageAction.REMOVE):
-            candidates = candidates.exclude(state=MessageState.CATEGORIZING)
-        if action == MessageAction.REMOVE:
-            candidates = candidates.exclude(
-                Exists(
-                    Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.ACTIVE)
-                )
-            )
         # Lock what we change: the categorizer and deliveries skip locked rows.
         message_ids = list(
-            candidates.select_for_update(of=("self",)).order_by("id").values_list("id", flat=True)
+            messages_select(action, queryset)
+            .select_for_update(of=("self",))
+            .order_by("id")
+            .values_list("id", flat=True)
         )
         if action == MessageAction.SUSPEND:
             count = _suspend(message_ids)
@@ -690,14 +833,8 @@ def messages_apply(
 
 
 def messages_count(queryset: QuerySet[Message], action: str) -> int:
-    """How many messages of a selection ``messages_apply(action, …)`` would consider."""
-    action = MessageAction(action).value
-    qs = queryset.exclude(state=MessageState.DONE)
-    if action == MessageAction.SUSPEND:
-        qs = qs.filter(suspended=False)
-    elif action == MessageAction.RESUME:
-        qs = qs.filter(suspended=True)
-    return qs.count()
+    """The preview of a bulk message action: how many ``messages_apply`` would change."""
+    return messages_select(action, queryset).count()
 
 
 __all__ = [
@@ -714,9 +851,13 @@ __all__ = [
     "messages_apply",
     "messages_count",
     "messages_export_zip",
+    "messages_select",
+    "messages_export_zip_file",
     "queue_resubmit",
     "queue_resume",
     "queue_retry",
     "queue_suspend",
     "queues_apply",
+    "queues_count",
+    "queues_select",
 ]

@@ -13,7 +13,6 @@ no message content and a 403 on any action.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -23,6 +22,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q, Sum
 from django.http import (
+    FileResponse,
     HttpRequest,
     HttpResponse,
     HttpResponseBadRequest,
@@ -67,24 +67,12 @@ from queues.permissions import can_act, can_read_content, can_view, user_role
 from queues.services.actions import (
     ActionConflict,
     ActionTooLarge,
-    MessageAction,
-    QueueAction,
     Via,
     message_export,
-    message_remove,
-    message_resubmit,
-    message_resume,
-    message_suspend,
-    messages_apply,
-    messages_count,
-    messages_export_zip,
-    queue_resubmit,
-    queue_resume,
-    queue_retry,
-    queue_suspend,
-    queues_apply,
+    messages_export_zip_file,
 )
 from queues.services.counts import error_groups, qshape, queue_history
+from queues.spec import MESSAGE_ACTIONS, QUEUE_ACTIONS, OperatorAction, actions_for
 from queues.ui.display import age_text, rate_text, relative_text, size_text, visible_text
 from queues.ui.forms import MessageFilterForm, QueueFilterForm
 
@@ -95,46 +83,20 @@ EVENTS_SHOWN = 200
 LIVE_MAX_IDS = 200
 ERROR_STATES = (RecipientState.DEFERRED, RecipientState.FAILED, RecipientState.EXPIRED)
 
-# Bulk message actions as the forms name them: (service action, with NDR).
-MESSAGE_BULK_ACTIONS: dict[str, tuple[str, bool]] = {
-    "suspend": (MessageAction.SUSPEND, False),
-    "resume": (MessageAction.RESUME, False),
-    "resubmit": (MessageAction.RESUBMIT, False),
-    "remove": (MessageAction.REMOVE, False),
-    "remove_ndr": (MessageAction.REMOVE, True),
-}
-MESSAGE_ACTION_LABELS = {
-    "suspend": "Suspend",
-    "resume": "Resume",
-    "resubmit": "Resubmit",
-    "remove": "Remove without NDR",
-    "remove_ndr": "Remove with NDR",
-    "export": "Export as zip",
-}
-MESSAGE_ACTION_PAST = {
-    "suspend": "Suspended",
-    "resume": "Resumed",
-    "resubmit": "Resubmitted",
-    "remove": "Removed (no NDR)",
-    "remove_ndr": "Removed with NDR",
-}
-QUEUE_SERVICES: dict[str, Callable[..., int]] = {
-    QueueAction.RETRY: queue_retry,
-    QueueAction.RESUBMIT: queue_resubmit,
-    QueueAction.SUSPEND: queue_suspend,
-    QueueAction.RESUME: queue_resume,
-}
-QUEUE_ACTION_PAST = {
-    QueueAction.RETRY: "Retrying",
-    QueueAction.RESUBMIT: "Resubmitted",
-    QueueAction.SUSPEND: "Suspended",
-    QueueAction.RESUME: "Resumed",
-}
-MESSAGE_SERVICES: dict[str, Callable[..., int]] = {
-    "suspend": message_suspend,
-    "resume": message_resume,
-    "resubmit": message_resubmit,
-}
+# The actions the Queue Viewer offers (queues.spec declares them, with their
+# labels, past tenses and roles); export is the one bulk action of its own.
+UI_MESSAGE_ACTIONS = actions_for(MESSAGE_ACTIONS, "form")
+UI_QUEUE_ACTIONS = actions_for(QUEUE_ACTIONS, "form")
+EXPORT = "export"
+EXPORT_LABEL = "Export as zip"
+
+
+def _ui_action(request: HttpRequest, table: dict[str, OperatorAction], name: str):
+    """The action ``name`` of ``table`` if the user may run it; None when unknown."""
+    spec = table.get(name)
+    if spec is not None and not spec.allowed(request.user):
+        raise PermissionDenied(f"This needs the {spec.role} role.")
+    return spec
 
 
 # --- access -------------------------------------------------------------------------
@@ -319,7 +281,7 @@ def queue_list(request: HttpRequest) -> HttpResponse:
         rows=rows,
         page=page,
         sort=request.GET.get("sort") or "-count",
-        queue_actions=QueueAction.choices,
+        queue_actions=[(name, a.label) for name, a in UI_QUEUE_ACTIONS.items()],
         filtered=bool(f.params),
     )
 
@@ -362,7 +324,10 @@ def message_list(request: HttpRequest) -> HttpResponse:
         filter_error=filter_error,
         queue=queue,
         sort=request.GET.get("sort") or "-received",
-        bulk_actions=[(k, MESSAGE_ACTION_LABELS[k]) for k in (*MESSAGE_BULK_ACTIONS, "export")],
+        bulk_actions=[
+            *((name, a.label) for name, a in UI_MESSAGE_ACTIONS.items()),
+            (EXPORT, EXPORT_LABEL),
+        ],
     )
 
 
@@ -511,32 +476,31 @@ def _conflict(request: HttpRequest, error: ActionConflict) -> None:
 @operator_required
 @require_POST
 def queue_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
-    if action not in QUEUE_SERVICES:
+    spec = _ui_action(request, UI_QUEUE_ACTIONS, action)
+    if spec is None:
         return HttpResponseBadRequest("unknown queue action")
     queue = get_object_or_404(Queue, pk=pk)
     try:
-        count = QUEUE_SERVICES[action](queue, request.user, Via.UI)
+        count = spec.run(queue, request.user, Via.UI)
     except ActionConflict as e:
         _conflict(request, e)
     else:
-        flash.success(
-            request, f"{QUEUE_ACTION_PAST[action]} queue {queue.name} ({count} messages waiting)."
-        )
+        flash.success(request, f"{spec.past} queue {queue.name} ({count} messages waiting).")
     return _back(request, reverse("ui:queues"))
 
 
 @operator_required
 @require_POST
 def queues_bulk(request: HttpRequest) -> HttpResponse:
-    action = request.POST.get("action", "")
-    if action not in QUEUE_SERVICES:
+    spec = _ui_action(request, UI_QUEUE_ACTIONS, request.POST.get("action", ""))
+    if spec is None:
         return HttpResponseBadRequest("unknown queue action")
     ids = _ids(request.POST.getlist("ids"))
     if not ids:
         flash.warning(request, "Select at least one queue first.")
         return _back(request, reverse("ui:queues"))
-    changed = queues_apply(action, Queue.objects.filter(id__in=ids), request.user, Via.UI, ids=ids)
-    _bulk_result(request, QueueAction(action).label, changed, len(ids), "queues")
+    changed = spec.apply(Queue.objects.filter(id__in=ids), request.user, Via.UI, ids=ids)
+    _bulk_result(request, spec.label, changed, len(ids), "queues")
     return _back(request, reverse("ui:queues"))
 
 
@@ -545,8 +509,8 @@ def queues_bulk(request: HttpRequest) -> HttpResponse:
 def queues_confirm(request: HttpRequest) -> HttpResponse:
     """A queue action on every queue a filter selects: count first, then confirm."""
     params = request.POST if request.method == "POST" else request.GET
-    action = params.get("action", "")
-    if action not in QUEUE_SERVICES:
+    spec = _ui_action(request, UI_QUEUE_ACTIONS, params.get("action", ""))
+    if spec is None:
         return HttpResponseBadRequest("unknown queue action")
     try:
         f = QueueFilter.from_params(params)
@@ -555,17 +519,18 @@ def queues_confirm(request: HttpRequest) -> HttpResponse:
         return redirect("ui:queues")
     qs = f.queryset()
     if request.method == "POST":
-        changed = queues_apply(action, qs, request.user, Via.UI, filter=f.as_params())
-        _bulk_result(request, QueueAction(action).label, changed, None, "queues")
+        changed = spec.apply(qs, request.user, Via.UI, filter=f.as_params())
+        _bulk_result(request, spec.label, changed, None, "queues")
         return HttpResponseRedirect(reverse("ui:queues") + "?" + _query(f.as_params()))
     return _page(
         request,
         "ui/confirm.html",
         "queues",
         kind="queues",
-        action=action,
-        action_label=QueueAction(action).label,
-        count=qs.count(),
+        action=spec.name,
+        action_label=spec.label,
+        # the action's own selection: exactly the queues it will change
+        count=spec.preview(qs),
         params=f.as_params(),
         cancel=reverse("ui:queues") + "?" + _query(f.as_params()),
         post_url=reverse("ui:queues_confirm"),
@@ -590,17 +555,15 @@ def _bulk_result(
 def message_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     message = get_object_or_404(Message.objects.defer("data"), pk=pk)
     fallback = reverse("ui:message", args=[message.pk])
+    spec = _ui_action(request, UI_MESSAGE_ACTIONS, action)
+    if spec is None:
+        return HttpResponseBadRequest("unknown message action")
     try:
-        if action in MESSAGE_SERVICES:
-            MESSAGE_SERVICES[action](message, request.user, Via.UI)
-        elif action in ("remove", "remove_ndr"):
-            message_remove(message, request.user, Via.UI, ndr=action == "remove_ndr")
-        else:
-            return HttpResponseBadRequest("unknown message action")
+        spec.run(message, request.user, Via.UI)
     except ActionConflict as e:
         _conflict(request, e)
     else:
-        flash.success(request, f"{MESSAGE_ACTION_PAST[action]} message {message.qid}.")
+        flash.success(request, f"{spec.past} message {message.qid}.")
     return _back(request, fallback)
 
 
@@ -614,17 +577,19 @@ def message_export_view(request: HttpRequest, pk: int) -> HttpResponse:
     return response
 
 
-def _zip_response(request: HttpRequest, qs, **audit: Any) -> HttpResponse | None:
-    out = io.BytesIO()
+def _zip_response(request: HttpRequest, qs, **audit: Any) -> FileResponse | None:
+    """The selected messages as a zip, built in a temporary file and streamed
+    from it (FileResponse closes it once sent): memory stays flat however many
+    and however large the messages are."""
     try:
-        messages_export_zip(qs, out, request.user, Via.UI, **audit)
+        out = messages_export_zip_file(qs, request.user, Via.UI, **audit)
     except ActionTooLarge as e:
         flash.error(request, str(e))
         return None
-    response = HttpResponse(out.getvalue(), content_type="application/zip")
     stamp = clock.now().strftime("%Y%m%d-%H%M%S")
-    response["Content-Disposition"] = f'attachment; filename="messages-{stamp}.zip"'
-    return response
+    return FileResponse(
+        out, as_attachment=True, filename=f"messages-{stamp}.zip", content_type="application/zip"
+    )
 
 
 @operator_required
@@ -633,19 +598,19 @@ def messages_bulk(request: HttpRequest) -> HttpResponse:
     """An action on the messages ticked in a list."""
     action = request.POST.get("action", "")
     fallback = reverse("ui:messages")
-    if action not in MESSAGE_BULK_ACTIONS and action != "export":
+    spec = _ui_action(request, UI_MESSAGE_ACTIONS, action)
+    if spec is None and action != EXPORT:
         return HttpResponseBadRequest("unknown message action")
     ids = _ids(request.POST.getlist("ids"))
     if not ids:
         flash.warning(request, "Select at least one message first.")
         return _back(request, fallback)
     qs = Message.objects.filter(id__in=ids)
-    if action == "export":
+    if spec is None:
         response = _zip_response(request, qs, ids=ids)
         return response or _back(request, fallback)
-    service_action, ndr = MESSAGE_BULK_ACTIONS[action]
-    changed = messages_apply(service_action, qs, request.user, Via.UI, ndr=ndr, ids=ids)
-    _bulk_result(request, MESSAGE_ACTION_LABELS[action], changed, len(ids), "messages")
+    changed = spec.apply(qs, request.user, Via.UI, ids=ids)
+    _bulk_result(request, spec.label, changed, len(ids), "messages")
     return _back(request, fallback)
 
 
@@ -655,7 +620,8 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
     """An action on every message a filter selects: first how many, then confirm."""
     params = request.POST if request.method == "POST" else request.GET
     action = params.get("action", "")
-    if action not in MESSAGE_BULK_ACTIONS and action != "export":
+    spec = _ui_action(request, UI_MESSAGE_ACTIONS, action)
+    if spec is None and action != EXPORT:
         return HttpResponseBadRequest("unknown message action")
     try:
         f = MessageFilter.from_params(params)
@@ -665,26 +631,21 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
     list_url = reverse("ui:messages") + "?" + _query(f.as_params())
     qs = f.queryset()
     if request.method == "POST":
-        if action == "export":
+        if spec is None:
             response = _zip_response(request, qs, filter=f.as_params())
             return response or HttpResponseRedirect(list_url)
-        service_action, ndr = MESSAGE_BULK_ACTIONS[action]
-        changed = messages_apply(
-            service_action, qs, request.user, Via.UI, ndr=ndr, filter=f.as_params()
-        )
-        _bulk_result(request, MESSAGE_ACTION_LABELS[action], changed, None, "messages")
+        changed = spec.apply(qs, request.user, Via.UI, filter=f.as_params())
+        _bulk_result(request, spec.label, changed, None, "messages")
         return HttpResponseRedirect(list_url)
-    if action == "export":
-        count = qs.count()
-    else:
-        count = messages_count(qs, MESSAGE_BULK_ACTIONS[action][0])
+    # the action's own selection: exactly the messages it will change
+    count = qs.count() if spec is None else spec.preview(qs)
     return _page(
         request,
         "ui/confirm.html",
         "messages",
         kind="messages",
         action=action,
-        action_label=MESSAGE_ACTION_LABELS[action],
+        action_label=EXPORT_LABEL if spec is None else spec.label,
         count=count,
         params=f.as_params(),
         cancel=list_url,

@@ -1,8 +1,10 @@
 """python manage.py message list|show|suspend|resume|resubmit|remove|export
 
-The command-line edge of the Queue Viewer: the same filters (queues.filters)
-and the same actions (queues.services.actions) as the UI and the REST API,
-written to the audit log with via="cli".
+The command-line edge of the Queue Viewer: the same filters (one option per
+row of queues.filters.MESSAGE_FILTERS) and the same actions (one subcommand
+per entry of queues.spec.MESSAGE_ACTIONS) as the UI and the REST API,
+written to the audit log with via="cli". Without --yes a filter action only
+says how many messages it would change (the action's own count).
 
     message list --domain example.net --status retry
     message show 0B3KQ7T2M9XCVD
@@ -25,6 +27,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
 from queues.filters import (
+    MESSAGE_FILTERS,
     FilterError,
     MessageFilter,
     messages_page,
@@ -34,24 +37,9 @@ from queues.filters import (
 from queues.models import Message
 from queues.services import actions
 from queues.services.actions import ActionConflict, ActionTooLarge, Via
+from queues.spec import MESSAGE_ACTIONS, actions_for, add_cli_filters, cli_params
 
-FILTER_OPTIONS = [
-    ("--qid", "queue id, exactly"),
-    ("--sender", 'substring of MAIL FROM ("<>" for the null sender)'),
-    ("--recipient", "substring of any recipient address"),
-    ("--domain", "a recipient domain, exactly"),
-    ("--message-id", "substring of the Message-ID header"),
-    ("--subject", "substring of the Subject"),
-    ("--status", "suspended, submission, active, retry, ready, delivered, failed (comma list)"),
-    ("--queue", "queue id"),
-    ("--older-than", "received before: 2h, 30m, 1d or an ISO time"),
-    ("--newer-than", "received since: 2h, 30m, 1d or an ISO time"),
-    ("--min-size", "bytes, or 10K, 2MB"),
-    ("--max-size", "bytes, or 10K, 2MB"),
-    ("--error", "substring of a deferred or failed recipient's last reply"),
-    ("--error-group", "a normalised error (deferrals grouped by error)"),
-    ("--source", "smtp, pickup, replay, dsn (comma list)"),
-]
+CLI_ACTIONS = actions_for(MESSAGE_ACTIONS, "cli")
 
 
 def add_actor_option(parser: CommandParser) -> None:
@@ -72,19 +60,12 @@ def cli_actor(options: dict[str, Any]):
 
 
 def add_filter_options(parser: CommandParser) -> None:
-    group = parser.add_argument_group("filters (all must match)")
-    for flag, help_text in FILTER_OPTIONS:
-        group.add_argument(flag, help=help_text)
+    add_cli_filters(parser.add_argument_group("filters (all must match)"), MESSAGE_FILTERS)
 
 
 def filter_from_options(options: dict[str, Any]) -> MessageFilter:
-    params = {}
-    for flag, _ in FILTER_OPTIONS:
-        name = flag[2:].replace("-", "_")
-        if options.get(name) not in (None, ""):
-            params[name] = str(options[name])
     try:
-        return MessageFilter.from_params(params)
+        return MessageFilter.from_params(cli_params(options, MESSAGE_FILTERS))
     except FilterError as exc:
         raise CommandError(str(exc)) from None
 
@@ -122,20 +103,15 @@ class Command(BaseCommand):
         p.add_argument("message", help="message id or queue id")
         p.add_argument("--json", action="store_true")
 
-        for name, text in [
-            ("suspend", "hold messages"),
-            ("resume", "release held messages"),
-            ("resubmit", "send messages back to the categorizer"),
-            ("remove", "fail every recipient not yet final"),
-        ]:
-            p = sub.add_parser(name, help=text)
+        for spec in CLI_ACTIONS.values():
+            p = sub.add_parser(spec.name, help=spec.help)
             p.add_argument("messages", nargs="*", help="message ids or queue ids")
             add_filter_options(p)
             p.add_argument(
                 "--yes", action="store_true", help="act on the filter (without: only count)"
             )
             add_actor_option(p)
-            if name == "remove":
+            if spec.takes_ndr:
                 p.add_argument("--ndr", action="store_true", help="send a non-delivery report")
 
         p = sub.add_parser("export", help="a message as .eml, or a selection as a zip")
@@ -275,37 +251,34 @@ class Command(BaseCommand):
     # --- acting ---
 
     def _act(self, command: str, options: dict[str, Any]) -> None:
+        spec = CLI_ACTIONS[command]
         actor = cli_actor(options)
         refs = options.get("messages") or []
         f = filter_from_options(options)
         ndr = bool(options.get("ndr"))
-        kwargs = {"ndr": ndr} if command == "remove" else {}
         if refs and not f.is_empty():
             raise CommandError("give message ids or filters, not both")
         if len(refs) == 1:
             message = message_by_ref(refs[0])
-            service = getattr(actions, f"message_{command}")
             try:
-                service(message, actor, Via.CLI, **kwargs)
+                spec.run(message, actor, Via.CLI, ndr=ndr)
             except ActionConflict as exc:
                 raise CommandError(exc.message) from None
             self.stdout.write(f"{command}: {message.qid} done")
             return
         if refs:
             ids = [message_by_ref(r).pk for r in refs]
-            count = actions.messages_apply(
-                command, Message.objects.filter(id__in=ids), actor, Via.CLI, ids=ids, **kwargs
-            )
+            count = spec.apply(Message.objects.filter(id__in=ids), actor, Via.CLI, ndr=ndr, ids=ids)
             self.stdout.write(f"{command}: {count} of {len(ids)} messages changed")
             return
         if f.is_empty():
             raise CommandError("give message ids or at least one filter")
         qs = f.queryset()
         if not options["yes"]:
-            count = actions.messages_count(qs, command)
+            count = spec.preview(qs)  # the action's own selection: what --yes changes
             self.stdout.write(
                 f"{command} would touch {count} messages; run again with --yes to do it"
             )
             return
-        count = actions.messages_apply(command, qs, actor, Via.CLI, filter=f.as_params(), **kwargs)
+        count = spec.apply(qs, actor, Via.CLI, ndr=ndr, filter=f.as_params())
         self.stdout.write(f"{command}: {count} messages changed")

@@ -13,11 +13,20 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from queues import clock
-from queues.filters import FilterError, QueueFilter, parse_limit, queue_status, queues_page
+from queues.filters import (
+    QUEUE_FILTERS,
+    FilterError,
+    QueueFilter,
+    parse_limit,
+    queue_status,
+    queues_page,
+)
 from queues.management.commands.message import add_actor_option, cli_actor
 from queues.models import Queue
-from queues.services import actions
 from queues.services.actions import ActionConflict, Via
+from queues.spec import QUEUE_ACTIONS, actions_for, add_cli_filters, cli_params
+
+CLI_ACTIONS = actions_for(QUEUE_ACTIONS, "cli")
 
 
 def queue_by_ref(ref: str) -> Queue:
@@ -53,20 +62,12 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="command", required=True)
         p = sub.add_parser("list", help="queues, largest first")
-        p.add_argument("--name", help="substring of the queue name")
-        p.add_argument("--type", help="delivery type(s), comma list")
-        p.add_argument("--status", help="ready, active, retry, suspended (comma list)")
-        p.add_argument("--nonempty", action="store_true", help="only queues with messages")
+        add_cli_filters(p, QUEUE_FILTERS)
         p.add_argument("--sort", help="name, count, type, incoming, outgoing, id (default -count)")
         p.add_argument("--limit", default="1000")
         p.add_argument("--json", action="store_true")
-        for name, text in [
-            ("retry", "try now (override the next retry time)"),
-            ("resubmit", "send the waiting messages back to the categorizer"),
-            ("suspend", "stop delivering from the queue"),
-            ("resume", "deliver from the queue again"),
-        ]:
-            p = sub.add_parser(name, help=text)
+        for spec in CLI_ACTIONS.values():
+            p = sub.add_parser(spec.name, help=spec.help)
             p.add_argument("queues", nargs="+", help="queue ids or names")
             add_actor_option(p)
 
@@ -75,12 +76,12 @@ class Command(BaseCommand):
             self._list(options)
             return
         actor = cli_actor(options)
-        service = getattr(actions, f"queue_{options['command']}")
+        spec = CLI_ACTIONS[options["command"]]
         failed = False
         for ref in options["queues"]:
             queue = queue_by_ref(ref)
             try:
-                count = service(queue, actor, Via.CLI)
+                count = spec.run(queue, actor, Via.CLI)
             except ActionConflict as exc:
                 self.stderr.write(f"{queue.name}: {exc.message}")
                 failed = True
@@ -90,11 +91,8 @@ class Command(BaseCommand):
             raise CommandError("some queues were not changed")
 
     def _list(self, options: dict[str, Any]) -> None:
-        params = {k: options[k] for k in ("name", "type", "status") if options.get(k)}
-        if options["nonempty"]:
-            params["nonempty"] = "1"
         try:
-            f = QueueFilter.from_params(params)
+            f = QueueFilter.from_params(cli_params(options, QUEUE_FILTERS))
             page = queues_page(
                 f, options.get("sort"), None, parse_limit(options["limit"], 1000, 100000)
             )
