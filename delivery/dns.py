@@ -18,6 +18,8 @@ import dns.nameserver
 import dns.resolver
 from django.conf import settings
 
+from delivery.units import seconds
+
 DNS_PORT = 53
 # dnspython retransmits a UDP query after this long when a server stays silent;
 # the lifetime (the setting) bounds the whole lookup.
@@ -65,10 +67,6 @@ def parse_nameserver(spec: str) -> tuple[str, int]:
     return str(ip), port
 
 
-def _seconds(timeout: float | timedelta) -> float:
-    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-
-
 def _shared_cache(servers: Sequence[tuple[str, int]]) -> dns.resolver.LRUCache:
     key = tuple(servers)
     with _caches_lock:
@@ -108,7 +106,7 @@ def make_resolver(
         resolver.nameservers = [dns.nameserver.Do53Nameserver(ip, port) for ip, port in servers]
     else:
         resolver = dns.resolver.Resolver()  # the system's /etc/resolv.conf
-    lifetime = _seconds(timeout)
+    lifetime = seconds(timeout)
     if lifetime <= 0:
         raise ValueError(f"DNS timeout must be positive, not {timeout!r}")
     resolver.lifetime = lifetime

@@ -22,6 +22,11 @@ next message.
 
 The client never raises for network problems: every exception becomes a
 ``RecipientResult`` (see ``delivery.classify`` for how replies are judged).
+
+One message goes through ``_Connection.send``: the envelope is built
+without the peer (``delivery.smtp_envelope``), then exchanged pipelined or
+in lock-step (``_pipelined``, ``_lockstep``), then the body is sent
+(``_send_body``) and the final reply closes the transaction.
 """
 
 from __future__ import annotations
@@ -37,10 +42,18 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from delivery import classify as c
+from delivery.smtp_envelope import (
+    BAD_RECIPIENT,
+    DATA_LINE,
+    Envelope,
+    Refusal,
+    build_envelope,
+    sender_refusal,
+)
 from delivery.types import (
     BatchResult,
     HostFailure,
@@ -48,6 +61,7 @@ from delivery.types import (
     OutboundRecipient,
     RecipientResult,
 )
+from delivery.units import seconds
 from queues import clock
 
 log = logging.getLogger(__name__)
@@ -79,8 +93,11 @@ END_OF_DATA = "end of data"
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
-class Target(Protocol):
-    """Where to connect: what ``delivery.routing.Target`` provides."""
+class Peer(Protocol):
+    """Where to connect: one SMTP server's name, address and port.
+
+    ``delivery.routing.Target`` provides it (and tests' own small classes).
+    """
 
     @property
     def host(self) -> str: ...
@@ -105,20 +122,16 @@ class ClientConfig:
     def from_settings(cls) -> ClientConfig:
         from django.conf import settings
 
-        command = _seconds(settings.MAILRELAY_SMTP_CLIENT_TIMEOUT)
+        command = seconds(settings.MAILRELAY_SMTP_CLIENT_TIMEOUT)
         data = settings.MAILRELAY_SMTP_DATA_TIMEOUT
         return cls(
             helo_name=settings.MAILRELAY_HOSTNAME,
-            connect_timeout=_seconds(settings.MAILRELAY_SMTP_CONNECT_TIMEOUT),
+            connect_timeout=seconds(settings.MAILRELAY_SMTP_CONNECT_TIMEOUT),
             command_timeout=command,
-            data_timeout=_seconds(data) if data is not None else max(command, MIN_DATA_TIMEOUT),
+            data_timeout=seconds(data) if data is not None else max(command, MIN_DATA_TIMEOUT),
             max_messages_per_connection=int(settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION),
             max_connections=int(settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION),
         )
-
-
-def _seconds(value: timedelta | float | int) -> float:
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
 # --- helpers --------------------------------------------------------------------
@@ -165,25 +178,6 @@ def _split_groups(messages: Sequence[OutboundMessage], size: int) -> list[list[O
         groups.append(list(messages[start:end]))
         start = end
     return groups
-
-
-def _unsafe(value: str) -> bool:
-    # A CR or LF inside an address or parameter would smuggle a command.
-    return "\r" in value or "\n" in value or "\0" in value
-
-
-def _needs_smtputf8(msg: OutboundMessage, data: bytes) -> bool:
-    """True when the message cannot go to a peer without SMTPUTF8: a non-ASCII
-    envelope address, or a non-ASCII header in a message declared SMTPUTF8."""
-    if not msg.mail_from.isascii():
-        return True
-    if any(not r.address.isascii() for r in msg.recipients):
-        return True
-    if msg.smtputf8:
-        end = data.find(b"\r\n\r\n")
-        headers = data if end < 0 else data[:end]  # a copy of the header only
-        return not headers.isascii()
-    return False
 
 
 def _sni(host: str) -> str | None:
@@ -260,7 +254,7 @@ class _Failure:
     phase: str
     code: int | None
     text: str
-    target: Target
+    target: Peer
     error: str = ""  # Exim error name (see delivery.types.HostFailure)
     enhanced: str = ""  # overrides the classified enhanced code when set
 
@@ -292,7 +286,7 @@ class _Recorder:
     def __init__(
         self,
         msg: OutboundMessage,
-        target: Target,
+        target: Peer,
         started: datetime,
         t0: float,
         peer_dsn: bool = False,
@@ -355,6 +349,11 @@ class _Recorder:
             [r for r in self.msg.recipients if r.id not in self.decided], phase, code, text, cls
         )
 
+    def refuse(self, rcpts: Sequence[OutboundRecipient], refusal: Refusal) -> None:
+        """Give ``rcpts`` a result decided without asking the peer."""
+        if rcpts:
+            self.set_many(rcpts, refusal.phase, None, refusal.text, refusal.classification())
+
     def results(self) -> list[RecipientResult]:
         return [self.decided[r.id] for r in self.msg.recipients if r.id in self.decided]
 
@@ -369,7 +368,7 @@ class _Connection:
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        target: Target,
+        target: Peer,
         config: ClientConfig,
     ) -> None:
         self.reader = reader
@@ -499,35 +498,11 @@ class _Connection:
 
     # Sending one message ----------------------------------------------------------
 
-    def size_limit(self) -> int:
-        value = self.extensions.get("SIZE", "")
-        return int(value) if value.isdigit() else 0
-
     async def rset(self) -> None:
         r = await self.command(b"RSET\r\n", "RSET", c.SESSION)
         if r.code // 100 != 2:
             raise _SessionFailed(c.SESSION, r.code, r.text)
         self.need_rset = False
-
-    async def _body(self, msg: OutboundMessage, load_body: LoadBody | None) -> bytes:
-        """The message's bytes: given, or read now through ``load_body``."""
-        if msg.data is not None:
-            return msg.data
-        if load_body is None:
-            raise LookupError("no body given and no load_body to read it")
-        return await load_body(msg)
-
-    async def _write_body(self, data: bytes) -> None:
-        """Write the dot-stuffed body in WRITE_CHUNK slices, then the final dot.
-        The slices are views (no copy); waiting for each to drain keeps the
-        transport's own copy of what the socket has not taken to one slice."""
-        wire = stuffed(data)
-        with memoryview(wire) as view:
-            for start in range(0, len(view), WRITE_CHUNK):
-                self.writer.write(view[start : start + WRITE_CHUNK])
-                await self.writer.drain()
-        self.writer.write(END_MARK)
-        await self.writer.drain()
 
     async def send(
         self, msg: OutboundMessage, rec: _Recorder, load_body: LoadBody | None = None
@@ -538,174 +513,178 @@ class _Connection:
         results already in ``rec`` stand, the caller fills in the rest.
 
         Steps:
-        1. checks made without the peer: CR/LF in an address (5.1.7 / 5.1.3);
-           then the body is read (``load_body`` when ``msg.data`` is None; a
-           failure defers the message, 4.3.0) for the SIZE limit (5.3.4) and
-           SMTPUTF8 needed but not offered (5.6.7);
-        2. build MAIL with SIZE, BODY, SMTPUTF8, RET, ENVID (each only when
-           the peer offers the extension) and RCPT with NOTIFY, ORCPT (DSN);
-        3. with PIPELINING write MAIL, every RCPT and DATA at once, else one
-           by one, stopping when MAIL fails or no RCPT was accepted;
-        4. read the replies in order: a MAIL failure goes to every recipient,
-           a RCPT failure to its recipient; 421 ends the session;
-        5. on 354 send the dot-stuffed body (a lone dot when no recipient was
-           accepted but the peer said 354 anyway) and give the final reply to
-           the accepted recipients; any other DATA reply goes to them too;
-        6. remember an unfinished transaction, so the next message starts
-           with RSET.
+        1. refuse an unsafe sender or MAIL parameter (5.1.7) before reading
+           the body; read it (``load_body`` when ``msg.data`` is None; a
+           failure defers the message, 4.3.0);
+        2. build the envelope (``delivery.smtp_envelope``), which may refuse
+           the whole message (SIZE 5.3.4, SMTPUTF8 5.6.7) or some recipients
+           (5.1.3) without asking the peer;
+        3. MAIL, RCPT and DATA, pipelined or in lock-step (``_exchange``);
+           a MAIL failure goes to every recipient, a RCPT failure to its own;
+        4. on 354 send the body (``_send_body``) and give the final reply to
+           the accepted recipients (``_end_transaction``); any other DATA
+           reply goes to them too. Until a final reply, the next message
+           starts with RSET (``need_rset``).
         """
-        ext = self.extensions
-        host = self.target.host
-        if _unsafe(msg.mail_from) or _unsafe(msg.envid) or _unsafe(msg.ret):
-            rec.set_many(
-                msg.recipients,
-                c.MAIL,
-                None,
-                "invalid sender or MAIL parameters",
-                c.classify_local(c.MAIL, "5.1.7"),
-            )
+        refusal = sender_refusal(msg)
+        if refusal is not None:
+            rec.refuse(msg.recipients, refusal)
             return
-        try:
-            data = await self._body(msg, load_body)
-        except Exception as exc:  # noqa: BLE001 - that message waits, the session goes on
-            log.warning("cannot read the body of message %s: %r", msg.id, exc)
-            rec.set_many(
-                msg.recipients,
-                c.MAIL,
-                None,
-                f"cannot read the message body: {exc}",
-                c.classify_local(c.MAIL, "4.3.0"),
-            )
+        data = await self._read_body(msg, rec, load_body)
+        if data is None:
             return
-        limit = self.size_limit()
-        if limit and len(data) > limit:
-            rec.set_many(
-                msg.recipients,
-                c.MAIL,
-                None,
-                f"message size {len(data)} exceeds size limit {limit} of {host}",
-                c.classify_local(c.MAIL, "5.3.4"),
-            )
+        envelope = build_envelope(msg, data, self.extensions, self.target.host)
+        if isinstance(envelope, Refusal):
+            rec.refuse(msg.recipients, envelope)
             return
-        utf8 = _needs_smtputf8(msg, data)
-        if utf8 and "SMTPUTF8" not in ext:
-            rec.set_many(
-                msg.recipients,
-                c.MAIL,
-                None,
-                f"{host} does not support SMTPUTF8, which this message needs",
-                c.classify_local(c.MAIL, "5.6.7"),
-            )
+        rec.refuse(envelope.refused, BAD_RECIPIENT)
+        if not envelope.rcpts:
             return
 
-        dsn = "DSN" in ext
-        mail = "MAIL FROM:<" + msg.mail_from + ">"
-        if "SIZE" in ext:
-            mail += f" SIZE={len(data)}"
-        body = msg.body_type.upper()
-        if body in ("7BIT", "8BITMIME") and "8BITMIME" in ext:
-            mail += " BODY=" + body
-        if (utf8 or msg.smtputf8) and "SMTPUTF8" in ext:
-            mail += " SMTPUTF8"
-        if dsn and msg.ret:
-            mail += " RET=" + msg.ret
-        if dsn and msg.envid:
-            mail += " ENVID=" + msg.envid
-        mail_line = mail.encode() + CRLF
-
-        rcpts: list[OutboundRecipient] = []
-        rcpt_lines: list[bytes] = []
-        for rcpt in msg.recipients:
-            if _unsafe(rcpt.address) or _unsafe(rcpt.notify) or _unsafe(rcpt.orcpt):
-                rec.set(
-                    rcpt,
-                    c.RCPT,
-                    None,
-                    "invalid recipient or RCPT parameters",
-                    c.classify_local(c.RCPT, "5.1.3"),
-                )
-                continue
-            line = "RCPT TO:<" + rcpt.address + ">"
-            if dsn and rcpt.notify:
-                line += " NOTIFY=" + rcpt.notify
-            if dsn and rcpt.orcpt:
-                line += " ORCPT=" + rcpt.orcpt
-            rcpts.append(rcpt)
-            rcpt_lines.append(line.encode() + CRLF)
-        if not rcpts:
-            return
-
-        pipelined = "PIPELINING" in ext
-        write = self.writer.write
-        accepted: list[OutboundRecipient] = []
-        self.waiting_for = "MAIL FROM"
-        try:
-            async with asyncio.timeout(self.config.command_timeout):
-                if pipelined:
-                    write(b"".join([mail_line, *rcpt_lines, b"DATA\r\n"]))
-                else:
-                    write(mail_line)
-                await self.writer.drain()
-                self.need_rset = True  # until a final-dot reply closes the transaction
-                r = await self.reply("MAIL FROM")
-                if r.code in c.CONNECTION_CODES:
-                    raise _SessionFailed(c.MAIL, r.code, r.text)
-                mail_ok = r.code // 100 == 2
-                if not mail_ok:
-                    rec.set_many(rcpts, c.MAIL, r.code, r.text)
-                    if not pipelined:
-                        return
-                for rcpt, line in zip(rcpts, rcpt_lines, strict=True):
-                    if not pipelined:
-                        write(line)
-                        await self.writer.drain()
-                    r = await self.reply("RCPT TO")
-                    if r.code in c.CONNECTION_CODES:
-                        raise _SessionFailed(c.RCPT, r.code, r.text)
-                    if not mail_ok:
-                        continue  # a 503 "need MAIL" says nothing about the recipient
-                    if r.code // 100 == 2:
-                        accepted.append(rcpt)
-                    else:
-                        rec.set(rcpt, c.RCPT, r.code, r.text)
-                if not pipelined:
-                    if not accepted:
-                        return
-                    write(b"DATA\r\n")
-                    await self.writer.drain()
-                r = await self.reply("DATA")
-                if r.code in c.CONNECTION_CODES:
-                    raise _SessionFailed(c.DATA, r.code, r.text)
-        except _SessionFailed:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise self.lost(exc, c.SESSION, self.config.command_timeout) from exc
-
-        if r.code != 354:
+        reply, accepted = await self._exchange(envelope, rec)
+        if reply is None:
+            return  # lock-step stopped before DATA: MAIL refused or no RCPT accepted
+        if reply.code != 354:
             if accepted:
-                rec.set_many(accepted, c.DATA, r.code, r.text)
+                rec.set_many(accepted, c.DATA, reply.code, reply.text)
             return
 
         self.waiting_for = END_OF_DATA
         try:
             async with asyncio.timeout(self.config.data_timeout):
-                if accepted:
-                    await self._write_body(data)
-                else:
-                    # The peer said 354 with no recipient accepted (it should
-                    # not, RFC 2920 §3.1): end the empty transaction with a lone dot.
-                    write(END_MARK)
-                    await self.writer.drain()
-                # The final reply may take minutes: hold no body while waiting.
-                del data
-                r = await self.reply(END_OF_DATA)
+                await self._send_body(data if accepted else None)
+                del data  # the final reply may take minutes: hold no body while waiting
+                reply = await self.reply(END_OF_DATA)
         except Exception as exc:  # noqa: BLE001
             raise self.lost(exc, c.SESSION, self.config.data_timeout) from exc
-        self.need_rset = False
+        self._end_transaction(reply, accepted, rec)
+
+    async def _read_body(
+        self, msg: OutboundMessage, rec: _Recorder, load_body: LoadBody | None
+    ) -> bytes | None:
+        """The message's bytes: given, or read now through ``load_body``.
+        None when they cannot be read: the message is deferred (4.3.0) and
+        the session goes on with the next one."""
+        if msg.data is not None:
+            return msg.data
+        try:
+            if load_body is None:
+                raise LookupError("no body given and no load_body to read it")
+            return await load_body(msg)
+        except Exception as exc:  # noqa: BLE001 - that message waits, the session goes on
+            log.warning("cannot read the body of message %s: %r", msg.id, exc)
+            text = f"cannot read the message body: {exc}"
+            rec.refuse(msg.recipients, Refusal(c.MAIL, "4.3.0", text))
+            return None
+
+    async def _exchange(
+        self, envelope: Envelope, rec: _Recorder
+    ) -> tuple[_Reply | None, list[OutboundRecipient]]:
+        """MAIL, RCPT and DATA, all within one command timeout. Returns the
+        reply to DATA (None when DATA was not sent) and the recipients accepted."""
+        self.waiting_for = "MAIL FROM"
+        try:
+            async with asyncio.timeout(self.config.command_timeout):
+                if "PIPELINING" in self.extensions:
+                    return await self._pipelined(envelope, rec)
+                return await self._lockstep(envelope, rec)
+        except _SessionFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a result by lost()
+            raise self.lost(exc, c.SESSION, self.config.command_timeout) from exc
+
+    async def _pipelined(
+        self, envelope: Envelope, rec: _Recorder
+    ) -> tuple[_Reply, list[OutboundRecipient]]:
+        """RFC 2920: MAIL, every RCPT and DATA in one write, then their replies
+        in order, so a message costs two round trips whatever the replies."""
+        self.writer.write(b"".join([envelope.mail, *envelope.rcpt_lines, DATA_LINE]))
+        await self.writer.drain()
+        self.need_rset = True  # until a final-dot reply closes the transaction
+        mail_ok = await self._mail_reply(envelope, rec)
+        accepted: list[OutboundRecipient] = []
+        for rcpt in envelope.rcpts:
+            if not mail_ok:
+                # Read and checked for 421 only: a 503 "need MAIL" says
+                # nothing about the recipient.
+                await self._checked_reply("RCPT TO", c.RCPT)
+            elif await self._rcpt_reply(rcpt, rec):
+                accepted.append(rcpt)
+        return await self._checked_reply("DATA", c.DATA), accepted
+
+    async def _lockstep(
+        self, envelope: Envelope, rec: _Recorder
+    ) -> tuple[_Reply | None, list[OutboundRecipient]]:
+        """Without PIPELINING: one command, one reply; no RCPT after a failed
+        MAIL and no DATA when no recipient was accepted (the DATA reply is
+        then None)."""
+        write, drain = self.writer.write, self.writer.drain
+        write(envelope.mail)
+        await drain()
+        self.need_rset = True  # until a final-dot reply closes the transaction
+        if not await self._mail_reply(envelope, rec):
+            return None, []
+        accepted: list[OutboundRecipient] = []
+        for rcpt, line in zip(envelope.rcpts, envelope.rcpt_lines, strict=True):
+            write(line)
+            await drain()
+            if await self._rcpt_reply(rcpt, rec):
+                accepted.append(rcpt)
+        if not accepted:
+            return None, accepted
+        write(DATA_LINE)
+        await drain()
+        return await self._checked_reply("DATA", c.DATA), accepted
+
+    async def _checked_reply(self, waiting_for: str, phase: str) -> _Reply:
+        """The next reply; a 421 ends the session (``_SessionFailed``)."""
+        r = await self.reply(waiting_for)
         if r.code in c.CONNECTION_CODES:
-            raise _SessionFailed(c.DATA, r.code, r.text)
+            raise _SessionFailed(phase, r.code, r.text)
+        return r
+
+    async def _mail_reply(self, envelope: Envelope, rec: _Recorder) -> bool:
+        """Whether MAIL was accepted; if not, its reply goes to every recipient sent."""
+        r = await self._checked_reply("MAIL FROM", c.MAIL)
+        if r.code // 100 == 2:
+            return True
+        rec.set_many(envelope.rcpts, c.MAIL, r.code, r.text)
+        return False
+
+    async def _rcpt_reply(self, rcpt: OutboundRecipient, rec: _Recorder) -> bool:
+        """Whether ``rcpt`` was accepted; if not, it gets the reply."""
+        r = await self._checked_reply("RCPT TO", c.RCPT)
+        if r.code // 100 == 2:
+            return True
+        rec.set(rcpt, c.RCPT, r.code, r.text)
+        return False
+
+    async def _send_body(self, data: bytes | None) -> None:
+        """Write the dot-stuffed body in WRITE_CHUNK slices, then the final dot.
+        The slices are views (no copy); waiting for each to drain keeps the
+        transport's own copy of what the socket has not taken to one slice.
+
+        ``data`` None writes the lone dot: the peer said 354 with no recipient
+        accepted (it should not, RFC 2920 §3.1) and the empty transaction ends."""
+        if data is not None:
+            wire = stuffed(data)
+            with memoryview(wire) as view:
+                for start in range(0, len(view), WRITE_CHUNK):
+                    self.writer.write(view[start : start + WRITE_CHUNK])
+                    await self.writer.drain()
+        self.writer.write(END_MARK)
+        await self.writer.drain()
+
+    def _end_transaction(
+        self, reply: _Reply, accepted: list[OutboundRecipient], rec: _Recorder
+    ) -> None:
+        """The reply to the final dot closes the transaction (no RSET needed);
+        it goes to the accepted recipients, unless it is a 421."""
+        self.need_rset = False
+        if reply.code in c.CONNECTION_CODES:
+            raise _SessionFailed(c.DATA, reply.code, reply.text)
         if accepted:
-            rec.set_many(accepted, c.DATA, r.code, r.text)
+            rec.set_many(accepted, c.DATA, reply.code, reply.text)
 
     # Ending -------------------------------------------------------------------------
 
@@ -758,7 +737,7 @@ LoadBody = Callable[[OutboundMessage], Awaitable[bytes]]
 class _Batch:
     def __init__(
         self,
-        targets: Sequence[Target],
+        targets: Sequence[Peer],
         config: ClientConfig,
         still_owner: StillOwner | None = None,
         load_body: LoadBody | None = None,
@@ -961,7 +940,7 @@ class _Batch:
     ) -> None:
         failure = failure or self.last_failure
         if failure is None:  # no target at all
-            failure = _Failure(c.CONNECT, None, "no host to deliver to", _NoTarget())
+            failure = _Failure(c.CONNECT, None, "no host to deliver to", _NoPeer())
         self.connection_error = failure.describe()
         for msg in remaining:
             rec = _Recorder(msg, failure.target, started, t0)
@@ -971,7 +950,7 @@ class _Batch:
 
 
 @dataclass(frozen=True)
-class _NoTarget:
+class _NoPeer:
     host: str = ""
     ip: str = ""
     port: int = 0
@@ -989,7 +968,7 @@ async def _discard(conn: _Connection, *, polite: bool) -> None:
 
 
 async def deliver(
-    targets: Sequence[Target],
+    targets: Sequence[Peer],
     messages: Sequence[OutboundMessage],
     config: ClientConfig,
     *,

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from email.header import decode_header, make_header
 
 _HEADER_END = re.compile(rb"\r?\n\r?\n")
+# The fields inspect_headers reads, with their continuation lines; a
+# continuation line starts with a blank, so it never matches a field name.
+_WANTED_FIELD = re.compile(
+    rb"^(message-id|subject|received)[ \t]*:([^\n]*(?:\n[ \t][^\n]*)*)",
+    re.IGNORECASE | re.MULTILINE,
+)
 
 
 @dataclass(frozen=True)
@@ -17,28 +24,15 @@ class HeaderInfo:
     header_bytes: int
 
 
+def header_end(data: bytes | bytearray) -> int:
+    """Where the header block of ``data`` ends (its length; all of it if no empty line)."""
+    match = _HEADER_END.search(data)
+    return match.start() if match else len(data)
+
+
 def header_block(data: bytes) -> bytes:
     match = _HEADER_END.search(data)
     return data[: match.start()] if match else data
-
-
-def _unfolded_fields(block: bytes) -> list[tuple[str, str]]:
-    fields: list[tuple[str, str]] = []
-    for line in block.split(b"\n"):
-        line = line.rstrip(b"\r")
-        if line[:1] in (b" ", b"\t") and fields:
-            name, value = fields[-1]
-            fields[-1] = (name, value + " " + line.strip().decode("utf-8", "replace"))
-            continue
-        name, sep, value = line.partition(b":")
-        if sep:
-            fields.append(
-                (
-                    name.strip().decode("ascii", "replace").lower(),
-                    value.strip().decode("utf-8", "replace"),
-                )
-            )
-    return fields
 
 
 def _decode_words(value: str) -> str:
@@ -50,12 +44,26 @@ def _decode_words(value: str) -> str:
         return value
 
 
-def inspect_headers(data: bytes) -> HeaderInfo:
+def _wanted_fields(data: bytes | bytearray, end: int) -> Iterator[tuple[str, str]]:
+    """(lower-case name, unfolded value) of the fields inspect_headers needs.
+
+    Scans ``data`` up to ``end`` in place: a message may be all header (no
+    empty line), and neither the block nor its lines are copied.
+    """
+    for match in _WANTED_FIELD.finditer(data, 0, end):
+        first, *rest = match.group(2).split(b"\n")
+        value = first.rstrip(b"\r").strip().decode("utf-8", "replace")
+        for line in rest:
+            value += " " + line.rstrip(b"\r").strip().decode("utf-8", "replace")
+        yield match.group(1).decode("ascii").lower(), value
+
+
+def inspect_headers(data: bytes | bytearray) -> HeaderInfo:
     """Copy out what the queue store filters on: Message-ID, Subject, hop count."""
-    block = header_block(data)
+    end = header_end(data)
     message_id = subject = ""
     received = 0
-    for name, value in _unfolded_fields(block):
+    for name, value in _wanted_fields(data, end):
         if name == "message-id" and not message_id:
             message_id = value[:998]
         elif name == "subject" and not subject:
@@ -63,6 +71,4 @@ def inspect_headers(data: bytes) -> HeaderInfo:
         elif name == "received":
             received += 1
     # Copied into text columns: PostgreSQL text cannot hold NUL.
-    return HeaderInfo(
-        message_id.replace("\x00", ""), subject.replace("\x00", ""), received, len(block)
-    )
+    return HeaderInfo(message_id.replace("\x00", ""), subject.replace("\x00", ""), received, end)

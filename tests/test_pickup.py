@@ -41,6 +41,7 @@ from queues.models import (
 )
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.services.actions import Via, message_suspend
+from tests.support.environment import settings_from_environment
 from tests.support.pipeline import drain
 
 pytestmark = pytest.mark.django_db
@@ -400,6 +401,25 @@ def test_a_service_without_folders_does_nothing(settings):
         await service.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_folders_settings_come_from_the_environment_through_settings_py(
+    settings, monkeypatch, tmp_path
+):
+    settings_from_environment(
+        settings,
+        monkeypatch,
+        MAILRELAY_PICKUP_DIR=str(tmp_path / "p"),
+        MAILRELAY_MAX_MESSAGE_SIZE="1MB",
+        MAILRELAY_HOSTNAME="relay.example",
+    )
+    pickup = FolderConfig.from_settings("pickup")
+    assert pickup is not None and pickup.directory == tmp_path / "p"
+    assert FolderConfig.from_settings("replay") is None  # MAILRELAY_REPLAY_DIR unset: off
+    # The defaults of docs/pickup-replay.md, held by settings.py alone.
+    assert (pickup.interval, pickup.max_per_minute) == (5.0, 100)
+    assert pickup.limits == PickupLimits(max_header_size=64 * 1024, max_recipients=100)
+    assert (pickup.max_file_size, pickup.hostname) == (1024 * 1024, "relay.example")
 
 
 def test_runpickup_once_takes_what_is_there_and_exits(folders):

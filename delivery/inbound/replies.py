@@ -57,6 +57,13 @@ STORE_FAILED = "451 4.3.0 Error: message not stored; try again later"
 INTERNAL_ERROR = "451 4.3.0 Error: internal server error; try again later"
 SHUTTING_DOWN = "421 4.3.2 Service shutting down, closing transmission channel"
 TIMEOUT = "421 4.4.2 Timeout exceeded, closing transmission channel"
+
+# --- connection and session limits (issue #9; Postfix's anvil and smtpd limits)
+TOO_MANY_CONNECTIONS = "421 4.7.0 Too many connections, try again later"
+TOO_MANY_FROM_CLIENT = "421 4.7.0 Too many connections from your address, try again later"
+SESSION_TOO_LONG = "421 4.4.2 Session time limit exceeded, closing transmission channel"
+TOO_MANY_JUNK_COMMANDS = "421 4.7.0 Too many commands without a message, closing channel"
+DATA_TOO_SLOW = "421 4.4.2 Data timeout or rate too low, closing transmission channel"
 EXPN_DISABLED = "502 5.5.1 EXPN not available"
 
 # aiosmtpd's own replies whose class default is not the best code

@@ -13,20 +13,29 @@ while it listens, counts the messages it holds uncommitted (the version
 buckets), and asks it at every MAIL FROM whether to tarpit (an
 ``asyncio.sleep`` in that session only) or refuse with ``452 4.3.1``.
 Connections, EHLO, RSET, NOOP and QUIT are never held back.
+
+Limits (Postfix's anvil and smtpd_* limits): connections in total and per
+client (``InboundServer.admit``; 421 and close, the listener goes on), a
+session's lifetime, a budget of commands that move no message, and a DATA
+deadline that grows with the bytes received (``DataDeadline``). A message's
+data is held once, in a bytearray, while it is read and stored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import ipaddress
 import logging
 import math
 import queue
 import re
+import resource
 import ssl
 import threading
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +48,7 @@ from delivery import bell
 from delivery.backpressure.samplers import InFlight
 from delivery.inbound import policy, replies
 from mailrelay import metrics
-from queues.headers import header_block
+from queues.headers import header_end
 from queues.models import MessageSource
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
@@ -55,6 +64,8 @@ COMMAND_LINE_LIMIT = 512  # RFC 5321 4.5.3.1.4
 # MAIL/RCPT lines grow with their parameters: ORCPT alone may be 500 characters
 # (RFC 3461 4.2), ENVID 100; aiosmtpd's line reader caps every line at 1001.
 PARAMETER_LINE_LIMIT = 1000
+# A database thread reconnects after storing a message this large (see _store).
+RELEASE_CONNECTION_ABOVE = 8 * 1024 * 1024
 
 _RECEIVED = re.compile(rb"^received[ \t]*:", re.IGNORECASE | re.MULTILINE)
 
@@ -73,6 +84,12 @@ class InboundConfig:
     max_recipients: int
     timeout: float
     tls_context: ssl.SSLContext | None = None
+    # Limits (issue #9; Postfix's anvil and smtpd_* limits are the reference). 0 = no limit.
+    max_connections: int = 1000
+    max_connections_per_client: int = 50  # relay networks are exempt
+    max_session_time: float = 3600.0
+    junk_command_limit: int = 100
+    min_data_rate: int = 500  # bytes/second during DATA
 
     @classmethod
     def from_settings(cls) -> InboundConfig:
@@ -88,6 +105,11 @@ class InboundConfig:
             tls_context=tls_context(
                 settings.MAILRELAY_TLS_CERT_FILE, settings.MAILRELAY_TLS_KEY_FILE
             ),
+            max_connections=settings.MAILRELAY_SMTP_MAX_CONNECTIONS,
+            max_connections_per_client=settings.MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT,
+            max_session_time=settings.MAILRELAY_SMTP_MAX_SESSION_TIME.total_seconds(),
+            junk_command_limit=settings.MAILRELAY_SMTP_JUNK_COMMAND_LIMIT,
+            min_data_rate=settings.MAILRELAY_SMTP_MIN_DATA_RATE,
         )
 
 
@@ -121,6 +143,40 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def client_key(ip: policy.IPAddress | None) -> str:
+    """What the per-client connection limit counts: an IPv4 address, an IPv6 /64.
+
+    One IPv6 host usually holds a whole /64, so counting addresses would not
+    limit it at all.
+    """
+    if ip is None:
+        return "unknown"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+FILE_LIMIT_SPARE = 256  # descriptors besides client sockets: listeners, database, logs, spool
+
+
+def raise_file_limit(connections: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE towards the hard limit so ``connections`` fit.
+
+    Returns (soft, needed). A soft limit below ``needed`` (a low hard limit)
+    only means EMFILE past it: asyncio then pauses accepting for a second and
+    resumes, and the sessions already open go on.
+    """
+    needed = connections + FILE_LIMIT_SPARE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft, needed
 
 
 # ----------------------------------------------------------------- database threads
@@ -164,6 +220,10 @@ class DatabaseExecutor(concurrent.futures.Executor):
                     future.set_exception(exc)
                 else:
                     future.set_result(result)
+                # Drop the job now: an idle thread would otherwise keep its last
+                # message's body alive until its next job.
+                del job, future, fn, args, kwargs
+                result = None
         finally:
             connections.close_all()
 
@@ -177,10 +237,16 @@ class DatabaseExecutor(concurrent.futures.Executor):
                 thread.join()
 
 
-def _store(envelope: IncomingEnvelope, data: bytes) -> str:
+def _store(envelope: IncomingEnvelope, data: bytes | bytearray) -> str:
     """Runs in a database thread: commit the message, return its queue id."""
     try:
-        return message_accept(envelope, data).qid
+        qid = message_accept(envelope, data).qid
+        if len(data) >= RELEASE_CONNECTION_ABOVE:
+            # libpq's send buffer grew to the message's size and is only freed
+            # with the connection: without this, each database thread would keep
+            # the size of the largest message it ever stored.
+            connection.close()
+        return qid
     except BaseException:
         # After a failed COMMIT or a lost server the connection is broken or in
         # an unknown state: drop it so the next message on this thread reconnects.
@@ -275,9 +341,49 @@ def has_bare_line_ending(data: bytes) -> bool:
     return data.count(b"\r") != crlf or data.count(b"\n") != crlf
 
 
-def received_count(data: bytes) -> int:
-    # Cheaper than queues.headers.inspect_headers, which message_accept runs anyway.
-    return len(_RECEIVED.findall(header_block(data)))
+def received_count(data: bytes | bytearray) -> int:
+    # Cheaper than queues.headers.inspect_headers, which message_accept runs anyway;
+    # counted in place (no copy of the header block, which may be the whole message).
+    return sum(1 for _ in _RECEIVED.finditer(data, 0, header_end(data)))
+
+
+def append_unstuffed(body: bytearray, chunk: bytes, tail: bytes) -> None:
+    """Append ``chunk`` to ``body`` without SMTP dot-stuffing (RFC 5321 4.5.2).
+
+    ``tail`` is the last two bytes received before ``chunk``: a line that
+    starts in this chunk lost its leading dot even if its CRLF came earlier.
+    """
+    if chunk[:1] == b"." and tail.endswith(b"\r\n"):
+        chunk = chunk[1:]
+    elif chunk[:2] == b"\n." and tail.endswith(b"\r"):
+        chunk = b"\n" + chunk[2:]
+    body += chunk.replace(b"\r\n.", b"\r\n")
+
+
+class DataDeadline:
+    """Postfix's DATA deadline (smtpd_min_data_rate with smtpd_per_request_deadline).
+
+    It starts at the idle timeout; each read of N bytes moves it N/rate
+    seconds later, never further than the idle timeout from now. So a client
+    slower than ``rate`` bytes per second runs out of time, however often it
+    sends a byte. A rate of 0 leaves only the idle timeout.
+    """
+
+    def __init__(self, now: float, timeout: float, rate: int) -> None:
+        self.timeout = timeout
+        self.rate = rate
+        self.at = now + timeout
+        self.credited = 0  # bytes already counted
+
+    def received(self, total: int, now: float) -> None:
+        """``total`` bytes have arrived since DATA; credit the new ones."""
+        count, self.credited = total - self.credited, max(total, self.credited)
+        if count <= 0:
+            return
+        if self.rate <= 0:
+            self.at = now + self.timeout
+        else:
+            self.at = min(self.at + count / self.rate, now + self.timeout)
 
 
 def protocol_keyword(*, extended: bool, tls: bool, utf8: bool) -> str:
@@ -285,6 +391,20 @@ def protocol_keyword(*, extended: bool, tls: bool, utf8: bool) -> str:
     if not extended:
         return "SMTP"
     return ("UTF8SMTP" if utf8 else "ESMTP") + ("S" if tls else "")
+
+
+def junk_command(
+    method: Callable[[InboundSMTP, str | None], Awaitable[None]],
+) -> Callable[[InboundSMTP, str | None], Awaitable[None]]:
+    """Count a command that does not advance a transaction (smtpd_junk_command_limit)."""
+
+    @functools.wraps(method)  # keeps aiosmtpd's @syntax attributes (HELP text)
+    async def counted(self: InboundSMTP, arg: str | None) -> None:
+        if self.count_junk():
+            return
+        await method(self, arg)
+
+    return counted
 
 
 class InboundSMTP(SMTP):
@@ -321,7 +441,13 @@ class InboundSMTP(SMTP):
         self.trusted = False
         self._greeted = False
         self.storing = False  # a message is being committed; its reply is not sent yet
-        self._close_after_reply = False
+        self._close_after_reply: str | None = None  # the 421 to send once that reply is out
+        self.junk_commands = 0
+        self.refused = False  # over a connection limit: 421 instead of the greeting
+        self.counted_as: str | None = None  # the per-client key, when counted
+        self._session_timer: asyncio.TimerHandle | None = None
+        self._data_deadline = DataDeadline(0.0, config.timeout, config.min_data_rate)
+        self._data_read = 0  # bytes of the current DATA taken from the reader
 
     def _create_envelope(self) -> RelayEnvelope:
         return RelayEnvelope()
@@ -336,11 +462,26 @@ class InboundSMTP(SMTP):
             peer = self.session.peer
             self.client_ip = policy.client_ip(peer[0] if isinstance(peer, tuple) else None)
             self.trusted = policy.is_trusted(self.client_ip, self.config.relay_networks)
-            self.server.sessions.add(self)
+            refusal = self.server.admit(self)
+            if refusal is not None:
+                self.refused = True
+                self._goodbye(refusal)
+                return
             if self.server.stopping:  # accepted just as the listeners closed
                 self._goodbye()
+            elif self.config.max_session_time > 0:
+                self._session_timer = self.loop.call_later(
+                    self.config.max_session_time, self._session_expired
+                )
+
+    async def _handle_client(self) -> None:
+        if self.refused:
+            return  # the 421 is sent and the connection closing: no greeting
+        await super()._handle_client()
 
     def connection_lost(self, error: Exception | None) -> None:
+        if self._session_timer is not None:
+            self._session_timer.cancel()
         try:
             super().connection_lost(error)
         finally:
@@ -353,19 +494,39 @@ class InboundSMTP(SMTP):
             self._writer.write(replies.TIMEOUT.encode() + b"\r\n")
         super()._timeout_cb()
 
-    def shutdown(self) -> None:
+    def shutdown(self, reply: str = replies.SHUTTING_DOWN) -> None:
         """Say 421 and close, but only after the reply to a message being committed."""
         if self.storing:
-            self._close_after_reply = True
+            self._close_after_reply = reply
         else:
-            self._goodbye()
+            self._goodbye(reply)
 
-    def _goodbye(self) -> None:
+    def _session_expired(self) -> None:
+        log.info("%s: session time limit reached", self.client_ip)
+        self.shutdown(replies.SESSION_TOO_LONG)
+
+    def count_junk(self) -> bool:
+        """One more command that moves no message; True (and 421, closed) past the limit."""
+        self.junk_commands += 1
+        limit = self.config.junk_command_limit
+        if limit and self.junk_commands > limit:
+            log.info("%s: more than %d junk commands; closing", self.client_ip, limit)
+            self._goodbye(replies.TOO_MANY_JUNK_COMMANDS)
+            return True
+        return False
+
+    def _goodbye(self, reply: str = replies.SHUTTING_DOWN) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        self._writer.write(replies.SHUTTING_DOWN.encode() + b"\r\n")
+        self._writer.write(reply.encode() + b"\r\n")
         transport.close()
+
+    # Commands that do not advance a transaction (Postfix counts the same ones).
+    smtp_NOOP = junk_command(SMTP.smtp_NOOP)
+    smtp_RSET = junk_command(SMTP.smtp_RSET)
+    smtp_HELP = junk_command(SMTP.smtp_HELP)
+    smtp_EXPN = junk_command(SMTP.smtp_EXPN)
 
     # --- replies
 
@@ -387,6 +548,7 @@ class InboundSMTP(SMTP):
 
     # --- commands
 
+    @junk_command
     @syntax("HELO hostname")
     async def smtp_HELO(self, hostname: str | None) -> None:
         if not hostname:
@@ -398,6 +560,7 @@ class InboundSMTP(SMTP):
         self.session.host_name = hostname
         await self._push_lines([f"250 {self.hostname}"])
 
+    @junk_command
     @syntax("EHLO hostname")
     async def smtp_EHLO(self, hostname: str | None) -> None:
         if not hostname:
@@ -519,17 +682,20 @@ class InboundSMTP(SMTP):
             await self.push(replies.MESSAGE_TOO_BIG)
             return
         envelope.original_content = envelope.content = data
+        del data  # the envelope holds the only reference: reset after DATA frees it
         self.storing = True
         try:
             status = await self._call_handler_hook("DATA")
             self._set_post_data_state()
+            if status.startswith("250"):
+                self.junk_commands = 0  # a message accepted: the budget starts again
             await self.push(status)
         finally:
             self.storing = False
-        if self._close_after_reply:
-            self._goodbye()
+        if self._close_after_reply is not None:
+            self._goodbye(self._close_after_reply)
 
-    async def _read_data(self) -> bytes | None:
+    async def _read_data(self) -> bytearray | None:
         """Read message data up to CRLF.CRLF and undo dot-stuffing; None if too big.
 
         Reads in blocks ending at ".\r\n" instead of line by line: per-line
@@ -538,12 +704,22 @@ class InboundSMTP(SMTP):
         stray CR/LF are left in for RelayHandler to refuse. Lines may be longer
         than RFC 5321's 1000 octets (as Postfix and Exchange accept them); only
         the size limit applies.
+
+        The message is held once: each block is unstuffed and appended to one
+        bytearray (no list of blocks joined and then replaced: that was three
+        copies). The DATA phase has a deadline (``DataDeadline``): a client
+        slower than MAILRELAY_SMTP_MIN_DATA_RATE is cut off.
         """
         reader = self._reader
         limit = self.data_size_limit
-        chunks: list[bytes] = []
-        size = 0
+        body: bytearray | None = bytearray()
+        size = 0  # bytes on the wire (stuffed): what the size limit counts
         tail = b"\r\n"  # the CRLF that ended the DATA command starts the first line
+        self._data_deadline = DataDeadline(
+            self.loop.time(), self.config.timeout, self.config.min_data_rate
+        )
+        self._data_read = 0
+        self._arm_data_timer()
         while True:
             try:
                 chunk = await reader.readuntil(b".\r\n")
@@ -558,26 +734,41 @@ class InboundSMTP(SMTP):
                 if self.transport is not None:
                     self.transport.close()
                 raise asyncio.CancelledError() from None
-            self._reset_timeout()  # RFC 5321 4.5.3.2.5: a timeout per data block
-            if maybe_end and (tail + chunk[:-3])[-2:] == b"\r\n":
+            self._data_read += len(chunk)
+            self._data_deadline.received(self._data_read, self.loop.time())
+            self._arm_data_timer()
+            end = maybe_end and (tail + chunk[:-3])[-2:] == b"\r\n"
+            if end:
                 chunk = chunk[:-3]
-                size += len(chunk)
-                if limit and size > limit:
-                    return None
-                chunks.append(chunk)
-                break
             size += len(chunk)
-            if limit and size > limit:
-                chunks.clear()  # keep reading to the end, but keep nothing
-            else:
-                chunks.append(chunk)
-            tail = (tail + chunk)[-2:]
-        data = b"".join(chunks)
-        # Dot-stuffing (RFC 5321 4.5.2): a line's leading dot was doubled.
-        if data.startswith(b"."):
-            data = data[1:]
-        return data.replace(b"\r\n.", b"\r\n")
+            if body is not None and limit and size > limit:
+                body = None  # too big: keep reading to the end, but keep nothing
+            if body is not None:
+                append_unstuffed(body, chunk, tail)
+            if end:
+                self._reset_timeout()
+                return body
+            tail = (tail + chunk[-2:])[-2:]
 
+    def _arm_data_timer(self) -> None:
+        """aiosmtpd's idle timer, moved to the DATA deadline (which includes the idle timeout)."""
+        if self._timeout_handle is not None:
+            self._timeout_handle.cancel()
+        self._timeout_handle = self.loop.call_at(self._data_deadline.at, self._data_timeout_cb)
+
+    def _data_timeout_cb(self) -> None:
+        # readuntil() returns only at a ".\r\n" or a full buffer: bytes that
+        # arrived meanwhile wait in the reader's buffer. Credit them now.
+        buffered = len(self._reader._buffer)  # type: ignore[attr-defined]
+        now = self.loop.time()
+        self._data_deadline.received(self._data_read + buffered, now)
+        if self._data_deadline.at > now:
+            self._arm_data_timer()
+            return
+        log.info("%s: DATA too slow or idle; closing", self.client_ip)
+        self._goodbye(replies.DATA_TOO_SLOW)
+
+    @junk_command
     @syntax("VRFY <address>")
     async def smtp_VRFY(self, arg: str | None) -> None:
         # Answer without looking anything up: a relay has no mailboxes to verify.
@@ -660,6 +851,7 @@ class InboundServer:
         # Messages received and not yet committed: the monitor's version buckets.
         self.uncommitted = monitor.uncommitted if monitor is not None else InFlight()
         self.sessions: set[InboundSMTP] = set()
+        self.per_client: Counter[str] = Counter()  # open sessions per client_key
         self.addresses: list[tuple[str, int]] = []
         self._listeners: list[asyncio.Server] = []
         self._stores: set[asyncio.Future] = set()
@@ -719,8 +911,30 @@ class InboundServer:
     def stopping(self) -> bool:
         return self._stopping
 
+    def admit(self, session: InboundSMTP) -> str | None:
+        """Count a new connection in, or return the 421 that refuses it (Postfix's anvil)."""
+        config = self.config
+        if config.max_connections and len(self.sessions) >= config.max_connections:
+            log.warning("refused %s: %d connections open", session.client_ip, len(self.sessions))
+            return replies.TOO_MANY_CONNECTIONS
+        if not session.trusted:
+            key = client_key(session.client_ip)
+            limit = config.max_connections_per_client
+            if limit and self.per_client[key] >= limit:
+                log.warning("refused %s: %d connections from %s", session.client_ip, limit, key)
+                return replies.TOO_MANY_FROM_CLIENT
+            self.per_client[key] += 1
+            session.counted_as = key
+        self.sessions.add(session)
+        return None
+
     def session_ended(self, session: InboundSMTP) -> None:
         self.sessions.discard(session)
+        if session.counted_as is not None:
+            key, session.counted_as = session.counted_as, None
+            self.per_client[key] -= 1
+            if self.per_client[key] <= 0:
+                del self.per_client[key]
         if self._stopping and not self.sessions:
             self._no_sessions.set()
 

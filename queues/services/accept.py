@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
 from email.utils import format_datetime
 
 from django.conf import settings
+from django.db import InterfaceError, OperationalError, connection
 
-from queues import clock
+from queues import clock, domains
 from queues.bulk import insert_with_children
 from queues.headers import inspect_headers
 from queues.models import Message, MessageSource, MessageState, Recipient, RecipientState
+
+log = logging.getLogger(__name__)
 
 _B32 = "0123456789BCDFGHJKLMNPQRSTVWXYZ"  # no vowels: ids never spell words
 
@@ -59,7 +63,19 @@ def printable(text: str) -> str:
 
 
 def recipient_domain(address: str) -> str:
-    return address.rpartition("@")[2].rstrip(".").lower()
+    """``Recipient.domain``: the address's domain in the form it is routed by.
+
+    The parsers normalise every address at accept (``delivery.inbound.policy``),
+    so this is its domain part as stored (A-labels; an address literal in
+    lower case). Addresses from elsewhere (a DSN to a sender stored before
+    normalisation) are normalised here; one without a form is kept in lower
+    case, and routing refuses it (5.1.3).
+    """
+    domain = address.rpartition("@")[2]
+    try:
+        return domains.domain_key(domain)
+    except domains.DomainError:
+        return domain.rstrip(".").lower()
 
 
 def _received_header(env: IncomingEnvelope, qid: str, when: str) -> bytes:
@@ -74,10 +90,12 @@ def _received_header(env: IncomingEnvelope, qid: str, when: str) -> bytes:
     return (line + f"; {when}\r\n").encode("utf-8", "surrogateescape")
 
 
-def build_stored_bytes(env: IncomingEnvelope, data: bytes, qid: str) -> tuple[bytes, str, str]:
-    """Prepend our Received header (and a Message-ID when missing).
+def build_prefix(
+    env: IncomingEnvelope, data: bytes | bytearray, qid: str
+) -> tuple[bytes, str, str]:
+    """Our Received header (and a Message-ID when missing), to store before ``data``.
 
-    Returns the bytes to store, the Message-ID and the Subject.
+    Returns the prefix, the Message-ID and the Subject.
     """
     info = inspect_headers(data)
     when = format_datetime(clock.now())
@@ -86,17 +104,32 @@ def build_stored_bytes(env: IncomingEnvelope, data: bytes, qid: str) -> tuple[by
     if not message_id:
         message_id = f"<{qid}.{int(time.time())}@{settings.MAILRELAY_HOSTNAME}>"
         prefix += f"Message-ID: {message_id}\r\n".encode("ascii", "replace")
-    return prefix + data, message_id, info.subject
+    return prefix, message_id, info.subject
 
 
-def message_accept(env: IncomingEnvelope, data: bytes) -> Message:
+def build_stored_bytes(env: IncomingEnvelope, data: bytes, qid: str) -> tuple[bytes, str, str]:
+    """The bytes to store (prefix and data joined), the Message-ID and the Subject."""
+    prefix, message_id, subject = build_prefix(env, data, qid)
+    return prefix + data, message_id, subject
+
+
+def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
     """Store a message and one row per recipient in one transaction.
 
     The caller replies 250 only after this returns: the commit has happened.
+    ``data`` is not copied: the database joins our prefix and it (see
+    insert_with_children), so a large message costs its size about twice.
+    The returned message's ``data`` is read back from the database if used.
+
+    A connection that died since its last use (a PostgreSQL restart, a
+    terminated backend) fails the first statement; the store is then retried
+    once on a new connection, so the client is not refused for a stale
+    connection. The retry first looks for the queue id: if the lost reply
+    was for a commit that happened, the message is not stored twice.
     """
     now = clock.now()
     qid = new_qid()
-    stored, message_id, subject = build_stored_bytes(env, data, qid)
+    prefix, message_id, subject = build_prefix(env, data, qid)
     message = Message(
         qid=qid,
         state=MessageState.SUBMISSION,
@@ -109,8 +142,8 @@ def message_accept(env: IncomingEnvelope, data: bytes) -> Message:
         declared_size=env.declared_size,
         client_address=env.client_address,
         client_helo=printable(env.client_helo)[:255],
-        data=stored,
-        size=len(stored),
+        data=b"",  # stored from ``parts`` below
+        size=len(prefix) + len(data),
         message_id=message_id,
         subject=subject,
         received_at=now,
@@ -128,6 +161,17 @@ def message_accept(env: IncomingEnvelope, data: bytes) -> Message:
         )
         for rcpt in env.recipients
     ]
+    parts = {"data": (prefix, data)}
     # One statement (one transaction) for the message and all its recipients.
-    insert_with_children(message, recipients, "message")
+    try:
+        insert_with_children(message, recipients, "message", parts=parts)
+    except (OperationalError, InterfaceError):
+        if connection.in_atomic_block or connection.vendor != "postgresql":
+            raise  # the caller's transaction is lost with the connection; SQLite is local
+        log.warning("%s: database connection lost; retrying once on a new one", qid)
+        connection.close()
+        stored = Message.objects.filter(qid=qid).first()
+        if stored is not None:
+            return stored  # committed before the connection died
+        insert_with_children(message, recipients, "message", parts=parts)
     return message

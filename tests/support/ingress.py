@@ -156,6 +156,15 @@ class RawClient:
         code, lines = self.reply()
         return f"{code} {lines[-1]}"
 
+    def closed_by_server(self, timeout: float = 5) -> bool:
+        """True when the server closes the connection (EOF) within ``timeout``; unread
+        replies are skipped."""
+        self.sock.settimeout(timeout)
+        while True:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return True
+
     def close(self) -> None:
         self.sock.close()
 

@@ -17,6 +17,7 @@ from delivery.inbound.server import (
     InboundServer,
     format_address,
     parse_listen,
+    raise_file_limit,
 )
 from delivery.pickup.watcher import always_allowed, start_pickup
 
@@ -57,9 +58,9 @@ class Command(BaseCommand):
     ) -> None:
         # The server starts the monitor before it listens and stops it last.
         monitor = Monitor(bp_config) if bp_config.enabled else None
-        server = InboundServer(
-            InboundConfig.from_settings(), db_threads=db_threads, monitor=monitor
-        )
+        config = InboundConfig.from_settings()
+        self._file_limit(config.max_connections)
+        server = InboundServer(config, db_threads=db_threads, monitor=monitor)
         try:
             bound = await server.start(addresses)
         except OSError as exc:
@@ -87,3 +88,20 @@ class Command(BaseCommand):
         await server.stop()
         self.stdout.write("smtp: stopped")
         self.stdout.flush()
+
+    def _file_limit(self, max_connections: int) -> None:
+        """Make room for MAILRELAY_SMTP_MAX_CONNECTIONS sockets (RLIMIT_NOFILE)."""
+        try:
+            soft, needed = raise_file_limit(max_connections)
+        except (OSError, ValueError) as exc:
+            self.stderr.write(f"smtp: cannot raise the open file limit: {exc}")
+            return
+        if soft < needed:
+            # Past the limit accept() fails with EMFILE: asyncio pauses accepting
+            # for a second and resumes; open sessions are not affected.
+            self.stderr.write(
+                f"smtp: open file limit {soft} is below the {needed} that "
+                f"MAILRELAY_SMTP_MAX_CONNECTIONS={max_connections} needs (raise the hard limit)"
+            )
+        else:
+            self.stdout.write(f"smtp: open file limit {soft}")
