@@ -32,7 +32,6 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.messages import messages_finish
 from queues.services.notify import notify
 from queues.services.placement import queue_for_route, special_queue
 
@@ -179,7 +178,7 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
     if failed:
         # Only a message with a routing failure here can have become finished:
         # routed recipients wait in a queue (no query per batch otherwise).
-        messages_finish({a.message_id for a in failed}, now)
+        Message.objects.filter(id__in={a.message_id for a in failed}).finish(now)
     return links
 
 

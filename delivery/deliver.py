@@ -44,8 +44,6 @@ from queues.models import (
     RecipientState,
     RetryHint,
 )
-from queues.services.hints import hints_clear, hints_load, hints_save
-from queues.services.messages import messages_finish
 from queues.services.notify import notify
 from queues.services.placement import special_queue
 
@@ -367,7 +365,7 @@ _RECIPIENT_READ_FIELDS = (
 
 
 def _load_hints(keys: list[str]) -> dict[str, rr.RetryData]:
-    return {key: _as_hint(row) for key, row in hints_load(keys).items()}
+    return {key: _as_hint(row) for key, row in RetryHint.objects.load(keys).items()}
 
 
 def _as_hint(row: RetryHint) -> rr.RetryData:
@@ -415,8 +413,8 @@ def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> 
         # Claimed but never tried (the round stopped when it lost its claim,
         # or a peer never got to them): waiting again, due now.
         Recipient.objects.owned_by(owner).release(now)
-        hints_save(_as_row(h) for h in rnd.hints)
-        hints_clear(rnd.cleared_hints)
+        RetryHint.objects.save(_as_row(h) for h in rnd.hints)
+        RetryHint.objects.clear(rnd.cleared_hints)
         _notify_round(rnd)
         if rnd.message_failures:
             threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
@@ -426,7 +424,7 @@ def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> 
             Message.objects.filter(
                 id__in=rnd.message_failures, per_message_failures__gte=threshold
             ).update(problem=True)
-        messages_finish({r.message_id for r in batch.results}, now)
+        Message.objects.filter(id__in={r.message_id for r in batch.results}).finish(now)
         _write_link(link, rnd, batch.connection_error)
     metrics.record_delivery(rnd.attempts, rows.values())
 

@@ -30,7 +30,6 @@ from queues.models import (
     RecipientState,
 )
 from queues.services.counts import queues_recount
-from queues.services.messages import messages_finish
 from queues.services.notify import notify
 from queues.services.placement import special_queue
 
@@ -166,7 +165,7 @@ def _expire(report: SweepReport) -> None:
         # Without bodies: notify reads the one original it quotes, when it quotes it.
         for message in Message.objects.filter(id__in=list(by_message)).defer("data").iterator():
             notify(dsn.FAILURE, message, by_message[message.pk], now=now, expired=True)
-        messages_finish(by_message, now)
+        Message.objects.filter(id__in=list(by_message)).finish(now)
     report.expired = len(rows)
 
 

@@ -25,7 +25,12 @@ from queues.states import (  # noqa: F401
     MessageState,
     RecipientState,
 )
-from queues.transitions import LinkQuerySet, MessageQuerySet, RecipientQuerySet
+from queues.transitions import (
+    LinkQuerySet,
+    MessageQuerySet,
+    RecipientQuerySet,
+    RetryHintQuerySet,
+)
 
 
 class Link(models.Model):
@@ -264,6 +269,8 @@ class RetryHint(models.Model):
     expired = models.BooleanField(default=False)
     error = models.CharField(max_length=40, blank=True)
     text = models.TextField(blank=True)
+
+    objects = RetryHintQuerySet.as_manager()
 
     class Meta:
         indexes = [models.Index(fields=["last_tried"], name="retryhint_by_last_tried")]

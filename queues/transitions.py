@@ -25,6 +25,7 @@ transaction); none loads message bodies.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 
 from django.db import models, transaction
@@ -275,3 +276,29 @@ class LinkQuerySet(models.QuerySet):
 
     def unowned(self, now: datetime) -> LinkQuerySet:
         return self.filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+
+
+class RetryHintQuerySet(models.QuerySet):
+    """Exim's retry data, stored (the rules and the arithmetic live in delivery.retry)."""
+
+    FIELDS = ("first_failed", "last_tried", "next_try", "expired", "error", "text")
+
+    def load(self, keys: Iterable[str]) -> dict:
+        return {h.key: h for h in self.filter(key__in=list(set(keys)))}
+
+    def save(self, hints: Iterable) -> None:
+        """Insert or update one row per key (the last one given wins)."""
+        rows = {h.key: h for h in hints}
+        if rows:
+            self.bulk_create(
+                list(rows.values()),
+                update_conflicts=True,
+                unique_fields=["key"],
+                update_fields=list(self.FIELDS),
+            )
+
+    def clear(self, keys: Iterable[str]) -> None:
+        """A success deletes the data (that resets Exim's retry clock)."""
+        keys = list(set(keys))
+        if keys:
+            self.filter(key__in=keys).delete()

@@ -46,7 +46,6 @@ from queues.models import (
     RecipientState,
 )
 from queues.replay import replay_format
-from queues.services.messages import messages_finish
 from queues.signals import categorizer_work, link_work
 
 # A removed recipient's status. RFC 3463 X.7.0 ("other or undefined security
@@ -315,7 +314,7 @@ def _remove(
             removed.setdefault(mid, []).append(rid)
         # Done unless a recipient is still in flight; the delivery that holds it
         # finishes the message when it records the result.
-        messages_finish(list({mid for mid, _ in rows}), now)
+        Message.objects.filter(id__in={mid for mid, _ in rows}).finish(now)
     if ndr and removed:
         # The lead's DSN generation: queues the NDR in this same transaction, so
         # the removal and the notification it owes commit together.
