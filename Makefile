@@ -12,10 +12,12 @@ TEST_BROKER_URL ?= redis://127.0.0.1:6379/14
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Every dependency at the version we test with (constraints.txt): a new release
+# upstream cannot change what `make run` installs.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 run: venv

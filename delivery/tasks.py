@@ -1,4 +1,10 @@
-"""Celery tasks: thin doorbell handlers around the engine's functions."""
+"""Celery tasks: thin doorbell handlers around the engine's functions.
+
+Routed by name (``CELERY_TASK_ROUTES`` in mailrelay/settings.py): categorize
+and sweep to the queue ``control`` (a prefork worker), deliver_link to
+``delivery`` (a worker with a pool of threads: each task runs in a thread of
+its own, with its own database connection, and waits on peers there).
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ import socket
 from pathlib import Path
 
 import dj_database_url
+from kombu import Exchange, Queue
+
+from queues.domains import domain_keys
 
 from .env import (
     env_bool,
@@ -155,17 +158,38 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Celery's Django fixup closes the database connection after every task unless
 # told to reuse it; a broken connection is still replaced (mailrelay/celery.py).
 CELERY_DB_REUSE_MAX = 100_000
+# Two queues, so routing and the sweep never wait behind deliveries (a silent
+# next hop holds a delivery for its connect and greeting timeouts): `control`
+# (categorize, sweep) is served by a prefork worker, `delivery` (deliver_link)
+# by a worker with a pool of threads, as `make run` and docker-compose start
+# them. A worker started without `-Q` consumes both.
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_TASK_QUEUES = tuple(Queue(q, Exchange(q), routing_key=q) for q in ("control", "delivery"))
+CELERY_TASK_ROUTES = {
+    "delivery.tasks.categorize": {"queue": "control"},
+    "delivery.tasks.sweep": {"queue": "control"},
+    "delivery.tasks.deliver_link": {"queue": "delivery"},
+}
 
 # --- mailrelay (every setting is documented in README.md)
 MAILRELAY_HOSTNAME = env_str("MAILRELAY_HOSTNAME", "") or socket.getfqdn()
 MAILRELAY_SMTP_LISTEN = env_list("MAILRELAY_SMTP_LISTEN", "127.0.0.1:2525")
-MAILRELAY_ACCEPTED_DOMAINS = [d.lower().rstrip(".") for d in env_list("MAILRELAY_ACCEPTED_DOMAINS")]
+# In their one form (IDNA 2008 + UTS #46, A-labels), as recipient domains are at accept.
+MAILRELAY_ACCEPTED_DOMAINS = domain_keys(
+    "MAILRELAY_ACCEPTED_DOMAINS", env_list("MAILRELAY_ACCEPTED_DOMAINS")
+)
 MAILRELAY_RELAY_NETWORKS = env_networks("MAILRELAY_RELAY_NETWORKS", "127.0.0.0/8,::1/128")
 MAILRELAY_MAX_MESSAGE_SIZE = env_size("MAILRELAY_MAX_MESSAGE_SIZE", "35MB")
 MAILRELAY_MAX_RECIPIENTS = env_int("MAILRELAY_MAX_RECIPIENTS", 1000)
 MAILRELAY_SMTP_SERVER_TIMEOUT = env_duration("MAILRELAY_SMTP_SERVER_TIMEOUT", "5m")
 MAILRELAY_TLS_CERT_FILE = env_str("MAILRELAY_TLS_CERT_FILE", "")
 MAILRELAY_TLS_KEY_FILE = env_str("MAILRELAY_TLS_KEY_FILE", "")
+# Inbound limits (Postfix's anvil and smtpd_* limits; README "Inbound policy").
+MAILRELAY_SMTP_MAX_CONNECTIONS = env_int("MAILRELAY_SMTP_MAX_CONNECTIONS", 1000)
+MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT = env_int("MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT", 50)
+MAILRELAY_SMTP_MAX_SESSION_TIME = env_duration("MAILRELAY_SMTP_MAX_SESSION_TIME", "1h")
+MAILRELAY_SMTP_JUNK_COMMAND_LIMIT = env_int("MAILRELAY_SMTP_JUNK_COMMAND_LIMIT", 100)
+MAILRELAY_SMTP_MIN_DATA_RATE = env_int("MAILRELAY_SMTP_MIN_DATA_RATE", 500)
 
 MAILRELAY_TRANSPORTS = env_str("MAILRELAY_TRANSPORTS", "")
 MAILRELAY_SMART_HOST = env_str("MAILRELAY_SMART_HOST", "")
@@ -185,11 +209,18 @@ MAILRELAY_CATEGORIZER_RETRY_INTERVAL = env_duration("MAILRELAY_CATEGORIZER_RETRY
 MAILRELAY_COMPLETED_RETENTION = env_duration("MAILRELAY_COMPLETED_RETENTION", "1d")
 MAILRELAY_POISON_THRESHOLD = env_int("MAILRELAY_POISON_THRESHOLD", 2)
 MAILRELAY_CATEGORIZER_BATCH = env_int("MAILRELAY_CATEGORIZER_BATCH", 500)
-# How long a delivery may hold its claim on recipients before the sweep takes
-# them back (must exceed the longest delivery round: connect + commands + DATA).
-MAILRELAY_DELIVERY_LEASE = env_duration("MAILRELAY_DELIVERY_LEASE", "15m")
+# Claims (delivery rounds, links, categorizer batches) are leases that their
+# live owner renews every third of this (delivery.ownership); a dead owner's
+# claims are taken back by the sweep's reclaim once it runs out.
+MAILRELAY_DELIVERY_LEASE = env_duration("MAILRELAY_DELIVERY_LEASE", "30s")
+# A delivery round claims at most this many bytes of messages (at least one message).
+MAILRELAY_DELIVERY_ROUND_BYTES = env_size("MAILRELAY_DELIVERY_ROUND_BYTES", "100MB")
 MAILRELAY_WEB_LISTEN = env_str("MAILRELAY_WEB_LISTEN", "127.0.0.1:8000")
-MAILRELAY_WORKER_CONCURRENCY = env_int("MAILRELAY_WORKER_CONCURRENCY", 4)
+# Processes of the control worker (categorize, sweep) and threads of the
+# delivery worker (one per delivery task, mostly waiting on peers) that
+# `make run` starts; docker-compose passes the same numbers.
+MAILRELAY_WORKER_CONCURRENCY = env_int("MAILRELAY_WORKER_CONCURRENCY", 2)
+MAILRELAY_DELIVERY_CONCURRENCY = env_int("MAILRELAY_DELIVERY_CONCURRENCY", 32)
 
 # --- retry, expiration and notifications (Exchange's names and defaults)
 MAILRELAY_QUEUE_GLITCH_RETRY_COUNT = env_int("MAILRELAY_QUEUE_GLITCH_RETRY_COUNT", 4)

@@ -77,6 +77,20 @@ class Proc:
                     f"{self.name} did not print {text!r}; output:\n" + "\n".join(self.lines[-40:])
                 )
 
+    def wait_for_count(self, text: str, count: int, timeout: float = 30) -> None:
+        """Await the ``count``-th line containing ``text`` (e.g. a reconnection)."""
+
+        def seen() -> int:
+            return sum(text in line for line in self.lines)
+
+        with self._cond:
+            self._cond.wait_for(lambda: seen() >= count or self.popen.poll() is not None, timeout)
+            if seen() < count:
+                raise AssertionError(
+                    f"{self.name} printed {text!r} {seen()} times, not {count}; output:\n"
+                    + "\n".join(self.lines[-40:])
+                )
+
     def kill(self) -> None:
         """SIGKILL the whole process group: no cleanup, as a crash would be."""
         if self.popen.poll() is None:
@@ -96,7 +110,16 @@ class ProcessRunner:
     def __init__(self) -> None:
         self.procs: list[Proc] = []
 
-    def worker(self, name: str = "w1", concurrency: int = 2, **env: str) -> Proc:
+    def worker(
+        self,
+        name: str = "w1",
+        concurrency: int = 2,
+        queues: str = "control,delivery",
+        pool: str = "prefork",
+        **env: str,
+    ) -> Proc:
+        """A worker; by default one prefork worker for both queues (routing,
+        sweep and delivery in one pool, as a bare `celery worker` runs)."""
         proc = Proc(
             name,
             [
@@ -106,6 +129,10 @@ class ProcessRunner:
                 "worker",
                 "-n",
                 f"{name}@%h",
+                "-Q",
+                queues,
+                "--pool",
+                pool,
                 "--loglevel",
                 "INFO",
                 "--concurrency",
@@ -119,6 +146,14 @@ class ProcessRunner:
         self.procs.append(proc)
         proc.wait_for("ready.")
         return proc
+
+    def control_worker(self, name: str = "control", concurrency: int = 2, **env: str) -> Proc:
+        """The worker for routing and the sweep, as `make run` starts it."""
+        return self.worker(name, concurrency, queues="control", **env)
+
+    def delivery_worker(self, name: str = "delivery", concurrency: int = 32, **env: str) -> Proc:
+        """The worker for deliveries: a pool of threads, as `make run` starts it."""
+        return self.worker(name, concurrency, queues="delivery", pool="threads", **env)
 
     def beat(self, tmp_path: Path, **env: str) -> Proc:
         proc = Proc(
