@@ -17,7 +17,7 @@ from delivery import bell, retry
 from delivery.ownership import Claim, while_connected
 from delivery.routing import Router
 from delivery.types import Route, RouteError
-from mailrelay import metrics
+from mailrelay import counters
 from queues import clock, dsn
 from queues.models import (
     Attempt,
@@ -169,7 +169,7 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
                 )
             )
     Attempt.objects.bulk_create(failed)
-    metrics.record_delivery(failed)
+    counters.record_delivery(failed)
     _notify_failures(failed_ids, now)
     Message.objects.filter(id__in=message_ids).categorized()
     # A recipient sent back to Submission while we worked (sweep, operator)

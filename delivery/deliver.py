@@ -28,7 +28,7 @@ from delivery.types import (
     OutboundRecipient,
     RecipientResult,
 )
-from mailrelay import metrics
+from mailrelay import counters
 from queues import clock, dsn
 from queues.bulk import bulk_update_rows
 from queues.models import (
@@ -426,7 +426,7 @@ def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> 
             ).update(problem=True)
         Message.objects.filter(id__in={r.message_id for r in batch.results}).finish(now)
         _write_link(link, rnd, batch.connection_error)
-    metrics.record_delivery(rnd.attempts, rows.values())
+    counters.record_delivery(rnd.attempts, rows.values())
 
 
 def _write_link(link: Link, rnd: _Round, connection_error: str) -> None:

@@ -57,8 +57,9 @@ FOREVER = timedelta(days=36500)
 MESSAGE_ERRORS = ("rcpt_4xx", "mail_4xx", "data_4xx")
 
 
-def _fmt(value: timedelta) -> str:
-    return format_duration(value) if value > timedelta(0) else "0s"
+def _fixed(cutoff: timedelta, interval: timedelta) -> str:
+    """An Exim F parameter set: retry every ``interval`` until ``cutoff``."""
+    return f"F,{format_duration(cutoff)},{format_duration(interval)}"
 
 
 def exchange_rules_text() -> str:
@@ -73,20 +74,18 @@ def exchange_rules_text() -> str:
     # Failures at 0, g, 2g, ... (n-1)g are each followed by a glitch retry.
     elapsed = timedelta(0)
     if glitch_n > 0:
-        sets.append(f"F,{_fmt((glitch_n - 1) * glitch + glitch / 2)},{_fmt(glitch)}")
+        sets.append(_fixed((glitch_n - 1) * glitch + glitch / 2, glitch))
         elapsed = glitch_n * glitch
     if transient_n > 0:
-        sets.append(
-            f"F,{_fmt(elapsed + (transient_n - 1) * transient + transient / 2)},{_fmt(transient)}"
-        )
-    sets.append(f"F,{_fmt(FOREVER)},{_fmt(outbound)}")
+        sets.append(_fixed(elapsed + (transient_n - 1) * transient + transient / 2, transient))
+    sets.append(_fixed(FOREVER, outbound))
     connection = "; ".join(sets)
 
     problem_n = s.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
     msg_sets = []
     if problem_n > 1:
-        msg_sets.append(f"F,{_fmt((problem_n - 2) * glitch + glitch / 2)},{_fmt(glitch)}")
-    msg_sets.append(f"F,{_fmt(FOREVER)},{_fmt(s.MAILRELAY_MESSAGE_RETRY_INTERVAL)}")
+        msg_sets.append(_fixed((problem_n - 2) * glitch + glitch / 2, glitch))
+    msg_sets.append(_fixed(FOREVER, s.MAILRELAY_MESSAGE_RETRY_INTERVAL))
     message = "; ".join(msg_sets)
     lines = ["# compiled from the Exchange retry settings"]
     lines += [f"*  {error}  {message}" for error in MESSAGE_ERRORS]

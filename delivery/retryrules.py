@@ -42,6 +42,7 @@ from typing import Literal
 
 from mailrelay.env import parse_duration
 from queues.domains import DomainError, domain_key
+from queues.durations import format_duration  # re-exported: retrytest and nextretry print with it
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -62,18 +63,15 @@ __all__ = [
     "combine_decisions",
     "format_duration",
     "host_key",
-    "is_host_error",
     "is_stale",
     "load_rules",
     "load_rules_or_default",
     "may_try",
-    "message_key",
     "next_retry",
     "parse_error_name",
     "parse_rules",
     "projected_schedule",
     "record_failure",
-    "routing_key",
 ]
 
 #: The rule set used when no rule file is configured (``MAILRELAY_RETRY_RULES`` empty).
@@ -264,19 +262,6 @@ def parse_error_name(text: str) -> ErrorName:
         return ErrorName("quota", idle=idle, text=f"quota_{format_duration(idle)}")
     hint = " (is the error name missing?)" if _PARAM_SET_LIKE.match(name) else ""
     raise ValueError(f"unknown error name {name!r}{hint}")
-
-
-def is_host_error(error: str | ErrorName) -> bool:
-    """True for errors of a host (connection level), whose hints are kept per host/IP.
-
-    Exim (§3, §4, §11) distinguishes host errors (refused, timeouts, lost
-    connection, TLS, AUTH) from address errors (RCPT 4xx, kept per
-    address+sender), message errors (MAIL/DATA 4xx, quota) and routing errors
-    (lookup, kept per domain). Only non-host errors let a message's arrival
-    time stand in for the first failure (§11).
-    """
-    name = error if isinstance(error, ErrorName) else parse_error_name(error)
-    return name.kind in ("refused", "timeout", "lost_connection", "tls_required", "auth_failed")
 
 
 # --------------------------------------------------------------- address-list items
@@ -917,11 +902,6 @@ def host_key(host: str, ip: str | None = None, port: int | None = None) -> str:
     return key
 
 
-def message_key(host: str, ip: str | None, message_id: str | int) -> str:
-    """Key for a message error at one host (MAIL/DATA 4xx): ``T:host:ip:message``."""
-    return f"{host_key(host, ip)}:{message_id}"
-
-
 def address_key(address: str, sender: str | None) -> str:
     """Key for RCPT 4xx errors: the recipient combined with the sender (§3).
 
@@ -931,11 +911,6 @@ def address_key(address: str, sender: str | None) -> str:
     if sender is None:
         return f"R:{address}"
     return f"R:{address}:<{_normalise_sender(sender)}>"
-
-
-def routing_key(domain: str) -> str:
-    """Key for routing (lookup) errors: the domain."""
-    return f"R:{domain.lower().rstrip('.')}"
 
 
 def is_stale(hint: RetryData, now: datetime, options: RetryOptions = DEFAULT_OPTIONS) -> bool:
@@ -1108,24 +1083,3 @@ def combine_decisions(
     if seen and all(d is TryDecision.EXPIRED for d in seen):
         return "bounce"
     return "defer"
-
-
-# -------------------------------------------------------------------------- display
-
-
-def format_duration(value: timedelta) -> str:
-    """``timedelta(days=1, hours=8, minutes=15)`` -> ``1d8h15m`` (Exim's style, no weeks)."""
-    if value < _ZERO:
-        return "-" + format_duration(-value)
-    total = value / _SECOND
-    whole = int(total)
-    fraction = total - whole
-    days, rem = divmod(whole, 86400)
-    hours, rem = divmod(rem, 3600)
-    minutes, seconds = divmod(rem, 60)
-    parts = [f"{days}d" if days else "", f"{hours}h" if hours else ""]
-    parts.append(f"{minutes}m" if minutes else "")
-    secs = seconds + fraction
-    if secs or not any(parts):
-        parts.append(f"{secs:g}s" if fraction else f"{seconds}s")
-    return "".join(parts)

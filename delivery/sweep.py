@@ -15,7 +15,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
 from delivery import bell
-from mailrelay import metrics
+from mailrelay import counters
 from queues import clock, dsn
 from queues.models import (
     WAITING_RECIPIENT_STATES,
@@ -161,7 +161,7 @@ def _expire(report: SweepReport) -> None:
         Recipient.objects.bulk_update(
             rows, ["state", "final_at", "queue_id", "last_enhanced", "last_text"]
         )
-        metrics.count_expired(len(rows))
+        counters.count_expired(len(rows))
         # Without bodies: notify reads the one original it quotes, when it quotes it.
         for message in Message.objects.filter(id__in=list(by_message)).defer("data").iterator():
             notify(dsn.FAILURE, message, by_message[message.pk], now=now, expired=True)

@@ -58,6 +58,8 @@ from datetime import UTC, datetime
 from email.parser import BytesHeaderParser
 from email.utils import format_datetime
 
+from queues.headers import header_block
+
 # Kinds, named after the NOTIFY keywords (RFC 3461 §4.1).
 FAILURE = "failure"
 DELAY = "delay"
@@ -598,14 +600,10 @@ def _original_headers(returned: bytes, full: bool, utf8: bool) -> list[str]:
 
 
 def _header_block(data: bytes) -> bytes:
-    """The header fields of a message, each line ending in CRLF; the empty
-    line that ends them is not included."""
-    end = data.find(b"\r\n\r\n")
-    if end >= 0:
-        return data[: end + 2]
-    if data.startswith(b"\r\n"):
-        return b""
-    return data if data.endswith(b"\r\n") or not data else data + b"\r\n"
+    """The header fields of a message, each line ending in CRLF (``data`` has
+    CRLF line ends); the empty line that ends them is not included."""
+    block = header_block(data)
+    return block + b"\r\n" if block else b""
 
 
 def _crlf(data: bytes) -> bytes:

@@ -7,7 +7,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from email.header import decode_header, make_header
 
-_HEADER_END = re.compile(rb"\r?\n\r?\n")
+# Where the header fields end: at the empty line after them; at a final line
+# end or the end of the data when the message is all header; at once when it
+# starts with an empty line (no header fields). LF alone counts as a line end.
+_HEADER_END = re.compile(rb"\A\r?\n|\r?\n\r?\n|\r?\n\Z")
 # The fields inspect_headers reads, with their continuation lines; a
 # continuation line starts with a blank, so it never matches a field name.
 _WANTED_FIELD = re.compile(
@@ -25,14 +28,16 @@ class HeaderInfo:
 
 
 def header_end(data: bytes | bytearray) -> int:
-    """Where the header block of ``data`` ends (its length; all of it if no empty line)."""
+    """The length of the header block of ``data``: its fields, without the line
+    end of the last one (all of ``data`` when it has neither an empty line nor
+    a final line end). The one place a message is split into header and body."""
     match = _HEADER_END.search(data)
     return match.start() if match else len(data)
 
 
 def header_block(data: bytes) -> bytes:
-    match = _HEADER_END.search(data)
-    return data[: match.start()] if match else data
+    """The header fields of ``data``, without the line end of the last one."""
+    return data[: header_end(data)]
 
 
 def _decode_words(value: str) -> str:

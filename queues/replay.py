@@ -34,8 +34,18 @@ def _text(value: str) -> bytes:
 def replay_format(message: Any, recipients: Iterable[Any]) -> bytes:
     """A message in replay format: X-Sender, one X-Receiver per recipient, the stored bytes.
 
-    ``message`` has ``mail_from``, ``body_type``, ``smtputf8``, ``ret``, ``envid``
-    and ``data`` (a ``queues.models.Message``); ``recipients`` have ``address``,
+    ``replay_envelope`` and then ``message.data``; an export that streams the
+    body calls ``replay_envelope`` and sends the stored bytes after it.
+    """
+    return replay_envelope(message, recipients) + bytes(message.data)
+
+
+def replay_envelope(message: Any, recipients: Iterable[Any]) -> bytes:
+    """The lines a replay file puts before the stored bytes: X-Sender, then one
+    X-Receiver per recipient, each ending in CRLF.
+
+    ``message`` has ``mail_from``, ``body_type``, ``smtputf8``, ``ret`` and
+    ``envid`` (a ``queues.models.Message``; ``data`` is not read); ``recipients`` have ``address``,
     ``notify`` and ``orcpt`` — pass the ones still to deliver (not final), e.g.
     ``message.recipients.exclude(state__in=FINAL_RECIPIENT_STATES)``.
     Pure: reads those attributes and nothing else. Raises ValueError when
@@ -61,7 +71,7 @@ def replay_format(message: Any, recipients: Iterable[Any]) -> bytes:
         lines.append(b"X-Receiver: " + _text(" ".join([f"<{r.address}>", *rparams])))
     if len(lines) == 1:
         raise ValueError("no recipient left to replay")
-    return b"\r\n".join(lines) + b"\r\n" + bytes(message.data)
+    return b"\r\n".join(lines) + b"\r\n"
 
 
 def split_injected(fields: list[tuple[str, bytes]]) -> int:

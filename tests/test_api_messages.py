@@ -313,7 +313,9 @@ def test_export_answers_exactly_the_stored_bytes_as_an_eml_attachment(client):
     assert response.status_code == 200
     assert response["Content-Type"] == "message/rfc822"
     assert response["Content-Disposition"] == f'attachment; filename="{message.qid}.eml"'
-    assert response.content == bytes(Message.objects.get(pk=message.pk).data)
+    content = b"".join(response.streaming_content)
+    assert content == bytes(Message.objects.get(pk=message.pk).data)
+    assert response["Content-Length"] == str(len(content))
     assert AuditEntry.objects.get().action == "message_export"
 
 
@@ -440,7 +442,7 @@ def test_export_in_replay_format_feeds_the_replay_folder():
     response = client.get(f"/api/v1/messages/{original.pk}/export/?format=replay")
     assert response.status_code == 200
     assert response["Content-Type"] == "message/rfc822"
-    body = response.content
+    body = b"".join(response.streaming_content)
     assert body.startswith(b"X-Sender: <a@example.org> ENVID=E1\r\n")
     assert b"X-Receiver: <b@example.net> NOTIFY=FAILURE\r\n" in body
     assert body.endswith(bytes(Message.objects.get(pk=original.pk).data))

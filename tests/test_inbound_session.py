@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import ssl
-import subprocess
 import threading
 
 import pytest
@@ -13,6 +12,7 @@ from delivery import bell
 from delivery.inbound import server
 from queues.models import Message
 from queues.services.accept import message_accept
+from tests.support.sinks import make_certificate
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -259,33 +259,7 @@ def test_it_says_421_before_closing_an_idle_session(start_ingress):
 
 @pytest.fixture
 def certificate(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    try:
-        subprocess.run(
-            [
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-days",
-                "1",
-                "-subj",
-                "/CN=relay.test",
-                "-keyout",
-                str(key),
-                "-out",
-                str(cert),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"openssl cannot make a test certificate: {exc}")
+    cert, key = make_certificate(tmp_path, "relay.test")
     return str(cert), str(key)
 
 

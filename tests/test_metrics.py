@@ -279,10 +279,10 @@ def test_it_shows_every_back_pressure_resource_of_every_node(client):
 
 
 COUNT_IN_ANOTHER_PROCESS = """
-from mailrelay import metrics
-metrics.MESSAGES_ACCEPTED.labels(source="smtp").inc(3)
-metrics.SMTP_ACCEPT_SECONDS.observe(0.02)
-metrics.DSNS_SENT.labels(kind="delay").inc()
+from mailrelay import counters
+counters.MESSAGES_ACCEPTED.labels(source="smtp").inc(3)
+counters.SMTP_ACCEPT_SECONDS.observe(0.02)
+counters.DSNS_SENT.labels(kind="delay").inc()
 """
 
 

@@ -25,17 +25,14 @@ from delivery.retryrules import (
     combine_decisions,
     format_duration,
     host_key,
-    is_host_error,
     load_rules,
     load_rules_or_default,
     may_try,
-    message_key,
     next_retry,
     parse_error_name,
     parse_rules,
     projected_schedule,
     record_failure,
-    routing_key,
 )
 
 T0 = datetime(2024, 3, 1, 12, 0, tzinfo=UTC)
@@ -422,13 +419,6 @@ def test_error_names_are_case_insensitive_and_canonical():
     assert rules.find("u@example.com").line == 2
 
 
-def test_which_errors_are_host_errors():
-    for name in ("refused_MX", "timeout_connect_A", "lost_connection", "tls_required"):
-        assert is_host_error(name)
-    for name in ("rcpt_452", "mail_4xx", "data_451", "quota", "lookup"):
-        assert not is_host_error(name)
-
-
 # ------------------------------------------------------------------- algorithms
 
 
@@ -675,11 +665,9 @@ def test_message_that_arrived_after_the_first_failure_and_outlived_the_cutoff():
 def test_retry_keys():
     assert host_key("MX1.Example.", "192.0.2.1") == "T:mx1.example:192.0.2.1"
     assert host_key("mx1.example", "192.0.2.1", 2525) == "T:mx1.example:192.0.2.1:2525"
-    assert message_key("mx1.example", "192.0.2.1", 42) == "T:mx1.example:192.0.2.1:42"
     assert address_key("u@example.com", "<>") == "R:u@example.com:<>"
     assert address_key("u@example.com", "s@x.example") == "R:u@example.com:<s@x.example>"
     assert address_key("u@example.com", None) == "R:u@example.com"
-    assert routing_key("Example.COM.") == "R:example.com"
 
 
 def test_format_duration():

@@ -426,8 +426,10 @@ def test_it_exports_a_message_byte_for_byte(client, operator):
     response = client.get(f"/messages/{message.pk}/export/")
     assert response["Content-Type"] == "message/rfc822"
     assert f'filename="{message.qid}.eml"' in response["Content-Disposition"]
-    assert response.content == bytes(Message.objects.get(pk=message.pk).data)
-    assert response.content.endswith(raw)
+    content = b"".join(response.streaming_content)
+    assert content == bytes(Message.objects.get(pk=message.pk).data)
+    assert content.endswith(raw)
+    assert response["Content-Length"] == str(len(content))
     assert AuditEntry.objects.get().action == "message_export"
 
 

@@ -15,7 +15,6 @@ SENDER_OK = "250 2.1.0 Ok"
 RECIPIENT_OK = "250 2.1.5 Ok"
 QUEUED = "250 2.0.0 Ok: queued as {qid}"
 START_DATA = "354 End data with <CR><LF>.<CR><LF>"
-BYE = "221 2.0.0 Bye"
 CANNOT_VRFY = "252 2.0.0 Cannot VRFY user, but will accept message and attempt delivery"
 
 # --- command syntax and sequence

@@ -1,9 +1,11 @@
 """The inbound SMTP server: aiosmtpd with our policy, and 250 only after the commit.
 
 One ``InboundServer`` per process owns the listeners, a small pool of
-database threads (``message_accept`` is synchronous Django ORM) and the
-categorizer doorbell. Each connection is an ``InboundSMTP`` protocol; the
-DATA work lives in ``RelayHandler``.
+database threads (``dbthreads.DatabaseExecutor``: ``message_accept`` is
+synchronous Django ORM) and the categorizer doorbell (``doorbell.CoalescedBell``).
+Each connection is an ``InboundSMTP`` protocol, which reaches aiosmtpd's
+private members only through ``aiosmtpd_adapter.AiosmtpdSession``; the DATA
+work lives in ``RelayHandler``.
 
 Hot path per message: one ``message_accept`` call (one transaction) in a
 database thread, the reply, then a coalesced ring of the categorizer.
@@ -24,30 +26,28 @@ data is held once, in a bytearray, while it is read and stored.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import ipaddress
 import logging
-import math
-import queue
 import re
 import resource
 import ssl
-import threading
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiosmtpd.smtp import SMTP, Envelope, Session, syntax
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection, connections
+from django.db import connection
 
-from delivery import bell
 from delivery.backpressure.samplers import InFlight
 from delivery.inbound import policy, replies
-from mailrelay import metrics
+from delivery.inbound.aiosmtpd_adapter import AiosmtpdSession
+from delivery.inbound.dbthreads import DatabaseExecutor
+from delivery.inbound.doorbell import CoalescedBell
+from mailrelay import counters
 from queues.headers import header_end
 from queues.models import MessageSource
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DB_THREADS = 8
 MAX_RECEIVED_HEADERS = 100  # more is a routing loop (RFC 5321 6.3)
-RING_INTERVAL = 0.1  # seconds; one categorizer task per ring: batches, not a task per message
 COMMAND_LINE_LIMIT = 512  # RFC 5321 4.5.3.1.4
 # MAIL/RCPT lines grow with their parameters: ORCPT alone may be 500 characters
 # (RFC 3461 4.2), ENVID 100; aiosmtpd's line reader caps every line at 1001.
@@ -179,62 +178,7 @@ def raise_file_limit(connections: int) -> tuple[int, int]:
     return soft, needed
 
 
-# ----------------------------------------------------------------- database threads
-
-
-class DatabaseExecutor(concurrent.futures.Executor):
-    """A fixed pool of threads, each owning one Django database connection.
-
-    Unlike ThreadPoolExecutor, every thread closes its connection when the
-    pool shuts down, so nothing holds a session (or locks) afterwards.
-    """
-
-    def __init__(self, workers: int, name: str = "smtp-db") -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._closed = False
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(
-        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
-    ) -> concurrent.futures.Future:
-        if self._closed:
-            raise RuntimeError("the database executor is shut down")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((future, fn, args, kwargs))
-        return future
-
-    def _work(self) -> None:
-        try:
-            while (job := self._jobs.get()) is not None:
-                future, fn, args, kwargs = job
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
-                # Drop the job now: an idle thread would otherwise keep its last
-                # message's body alive until its next job.
-                del job, future, fn, args, kwargs
-                result = None
-        finally:
-            connections.close_all()
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if not self._closed:
-            self._closed = True
-            for _ in self._threads:
-                self._jobs.put(None)  # after every job already queued
-        if wait:
-            for thread in self._threads:
-                thread.join()
+# ----------------------------------------------------------------- committing
 
 
 def _store(envelope: IncomingEnvelope, data: bytes | bytearray) -> str:
@@ -255,71 +199,6 @@ def _store(envelope: IncomingEnvelope, data: bytes | bytearray) -> str:
         except Exception:  # noqa: BLE001 - closing a broken connection may fail too
             log.debug("closing the failed database connection failed", exc_info=True)
         raise
-
-
-def _ring() -> None:
-    # Looked up at call time: tests replace bell.ring_categorizer.
-    bell.ring_categorizer()
-
-
-class CoalescedBell:
-    """Rings the categorizer at most once per ``interval``, never blocking a reply.
-
-    A request while a ring is waiting to start is covered by that ring; a
-    request while one is in flight gets one more ring after it. So every
-    commit is followed by a ring that started after the commit.
-    """
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        executor: concurrent.futures.Executor,
-        interval: float = RING_INTERVAL,
-        ring: Callable[[], None] = _ring,
-    ) -> None:
-        self._loop = loop
-        self._executor = executor
-        self._interval = interval
-        self._ring = ring
-        self._timer: asyncio.TimerHandle | None = None
-        self._inflight: asyncio.Future | None = None
-        self._again = False
-        self._last = -math.inf
-
-    def request(self) -> None:
-        if self._timer is not None:
-            return
-        if self._inflight is not None:
-            self._again = True
-            return
-        self._schedule()
-
-    def _schedule(self) -> None:
-        delay = max(0.0, self._last + self._interval - self._loop.time())
-        self._timer = self._loop.call_later(delay, self._fire)
-
-    def _fire(self) -> None:
-        self._timer = None
-        self._last = self._loop.time()
-        self._inflight = self._loop.run_in_executor(self._executor, self._ring)
-        self._inflight.add_done_callback(self._rung)
-
-    def _rung(self, future: asyncio.Future) -> None:
-        self._inflight = None
-        if not future.cancelled() and future.exception() is not None:
-            log.warning("ringing the categorizer failed", exc_info=future.exception())
-        if self._again:
-            self._again = False
-            self._schedule()
-
-    async def flush(self) -> None:
-        """Ring now what is pending, and wait until no ring is in flight."""
-        while self._timer is not None or self._inflight is not None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._fire()
-            assert self._inflight is not None
-            await asyncio.wait({self._inflight})
 
 
 # ----------------------------------------------------------------- the SMTP session
@@ -386,6 +265,17 @@ class DataDeadline:
             self.at = min(self.at + count / self.rate, now + self.timeout)
 
 
+def command_argument(keyword: str, arg: str) -> str | None:
+    """What follows ``keyword`` ("FROM:", "TO:") in a MAIL/RCPT argument, or None.
+
+    As aiosmtpd's own (private) helper does: the keyword case-insensitively,
+    the rest stripped.
+    """
+    if arg[: len(keyword)].upper() == keyword:
+        return arg[len(keyword) :].strip()
+    return None
+
+
 def protocol_keyword(*, extended: bool, tls: bool, utf8: bool) -> str:
     """The Received "with" keyword (RFC 3848, RFC 6531 3.7.3)."""
     if not extended:
@@ -407,8 +297,8 @@ def junk_command(
     return counted
 
 
-class InboundSMTP(SMTP):
-    """One client connection."""
+class InboundSMTP(AiosmtpdSession):
+    """One client connection (aiosmtpd's private members only through AiosmtpdSession)."""
 
     # AUTH is not offered: a relay for trusted networks and accepted domains.
     smtp_AUTH = None
@@ -449,13 +339,12 @@ class InboundSMTP(SMTP):
         self._data_deadline = DataDeadline(0.0, config.timeout, config.min_data_rate)
         self._data_read = 0  # bytes of the current DATA taken from the reader
 
-    def _create_envelope(self) -> RelayEnvelope:
-        return RelayEnvelope()
+    envelope_class = RelayEnvelope
 
     # --- connection life cycle
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        starttls = self._original_transport is not None
+        starttls = self.starttls_begun  # the TLS layer's connection_made: same client
         super().connection_made(transport)
         if not starttls:
             assert self.session is not None
@@ -474,10 +363,9 @@ class InboundSMTP(SMTP):
                     self.config.max_session_time, self._session_expired
                 )
 
-    async def _handle_client(self) -> None:
-        if self.refused:
-            return  # the 421 is sent and the connection closing: no greeting
-        await super()._handle_client()
+    def serves_client(self) -> bool:
+        # Over a limit, the 421 is sent and the connection closing: no greeting.
+        return not self.refused
 
     def connection_lost(self, error: Exception | None) -> None:
         if self._session_timer is not None:
@@ -487,12 +375,11 @@ class InboundSMTP(SMTP):
         finally:
             self.server.session_ended(self)
 
-    def _timeout_cb(self) -> None:
+    def before_idle_close(self) -> None:
         # RFC 5321 4.5.3.2: say why before closing an idle session (aiosmtpd just closes).
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            self._writer.write(replies.TIMEOUT.encode() + b"\r\n")
-        super()._timeout_cb()
+            self.write_raw(replies.TIMEOUT.encode() + b"\r\n")
 
     def shutdown(self, reply: str = replies.SHUTTING_DOWN) -> None:
         """Say 421 and close, but only after the reply to a message being committed."""
@@ -519,7 +406,7 @@ class InboundSMTP(SMTP):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        self._writer.write(reply.encode() + b"\r\n")
+        self.write_raw(reply.encode() + b"\r\n")
         transport.close()
 
     # Commands that do not advance a transaction (Postfix counts the same ones).
@@ -538,13 +425,13 @@ class InboundSMTP(SMTP):
         else:
             self._greeted = True  # the greeting carries no enhanced code
         # Replies may echo client text; never fail on undecodable bytes.
-        self._writer.write(status.encode("utf-8", "replace") + b"\r\n")
-        await self._writer.drain()
+        self.write_raw(status.encode("utf-8", "replace") + b"\r\n")
+        await self.drain_writes()
 
     async def _push_lines(self, lines: Sequence[str]) -> None:
         """A reply written as given (HELO/EHLO replies carry no enhanced codes)."""
-        self._writer.write("".join(line + "\r\n" for line in lines).encode("utf-8", "replace"))
-        await self._writer.drain()
+        self.write_raw("".join(line + "\r\n" for line in lines).encode("utf-8", "replace"))
+        await self.drain_writes()
 
     # --- commands
 
@@ -554,7 +441,7 @@ class InboundSMTP(SMTP):
         if not hostname:
             await self._push_lines([replies.HELO_SYNTAX])
             return
-        self._set_rset_state()
+        self.reset_transaction()
         assert self.session is not None
         self.session.extended_smtp = False
         self.session.host_name = hostname
@@ -566,7 +453,7 @@ class InboundSMTP(SMTP):
         if not hostname:
             await self._push_lines([replies.EHLO_SYNTAX])
             return
-        self._set_rset_state()
+        self.reset_transaction()
         assert self.session is not None
         self.session.extended_smtp = True
         self.session.host_name = hostname
@@ -580,7 +467,7 @@ class InboundSMTP(SMTP):
             "ENHANCEDSTATUSCODES",
             "DSN",
         ]
-        if self.tls_context and not self._tls_protocol:
+        if self.tls_context and self.session.ssl is None:  # not offered again inside TLS
             lines.append("STARTTLS")
         await self._push_lines([f"250-{line}" for line in lines[:-1]] + [f"250 {lines[-1]}"])
 
@@ -594,7 +481,7 @@ class InboundSMTP(SMTP):
         if envelope.started:
             await self.push(replies.NESTED_MAIL)
             return
-        rest = self._strip_command_keyword("FROM:", arg or "")
+        rest = command_argument("FROM:", arg or "")
         if rest is None:
             await self.push(replies.MAIL_SYNTAX)
             return
@@ -616,7 +503,7 @@ class InboundSMTP(SMTP):
                 # Tarpit: only this session waits; aiosmtpd cancels the sleep
                 # if the client goes away, and stop() says 421 meanwhile.
                 await asyncio.sleep(decision.delay_seconds)
-                self._reset_timeout()
+                self.restart_idle_timer()
         envelope.started = True
         envelope.mail_from = sender.address if sender else ""
         envelope.params = params
@@ -633,7 +520,7 @@ class InboundSMTP(SMTP):
         if not envelope.started:
             await self.push(replies.NEED_MAIL)
             return
-        rest = self._strip_command_keyword("TO:", arg or "")
+        rest = command_argument("TO:", arg or "")
         if rest is None:
             await self.push(replies.RCPT_SYNTAX)
             return
@@ -678,15 +565,15 @@ class InboundSMTP(SMTP):
         await self.push(replies.START_DATA)
         data = await self._read_data()
         if data is None:
-            self._set_post_data_state()
+            self.end_transaction()
             await self.push(replies.MESSAGE_TOO_BIG)
             return
         envelope.original_content = envelope.content = data
         del data  # the envelope holds the only reference: reset after DATA frees it
         self.storing = True
         try:
-            status = await self._call_handler_hook("DATA")
-            self._set_post_data_state()
+            status = await self.run_data_hook()
+            self.end_transaction()
             if status.startswith("250"):
                 self.junk_commands = 0  # a message accepted: the budget starts again
             await self.push(status)
@@ -710,7 +597,7 @@ class InboundSMTP(SMTP):
         copies). The DATA phase has a deadline (``DataDeadline``): a client
         slower than MAILRELAY_SMTP_MIN_DATA_RATE is cut off.
         """
-        reader = self._reader
+        reader = self.reader
         limit = self.data_size_limit
         body: bytearray | None = bytearray()
         size = 0  # bytes on the wire (stuffed): what the size limit counts
@@ -746,20 +633,18 @@ class InboundSMTP(SMTP):
             if body is not None:
                 append_unstuffed(body, chunk, tail)
             if end:
-                self._reset_timeout()
+                self.restart_idle_timer()
                 return body
             tail = (tail + chunk[-2:])[-2:]
 
     def _arm_data_timer(self) -> None:
         """aiosmtpd's idle timer, moved to the DATA deadline (which includes the idle timeout)."""
-        if self._timeout_handle is not None:
-            self._timeout_handle.cancel()
-        self._timeout_handle = self.loop.call_at(self._data_deadline.at, self._data_timeout_cb)
+        self.move_idle_timer(self._data_deadline.at, self._data_timeout_cb)
 
     def _data_timeout_cb(self) -> None:
         # readuntil() returns only at a ".\r\n" or a full buffer: bytes that
         # arrived meanwhile wait in the reader's buffer. Credit them now.
-        buffered = len(self._reader._buffer)  # type: ignore[attr-defined]
+        buffered = self.buffered_bytes()
         now = self.loop.time()
         self._data_deadline.received(self._data_read + buffered, now)
         if self._data_deadline.at > now:
@@ -813,7 +698,7 @@ class RelayHandler:
             log.exception("could not prepare a message from %s", smtp.client_ip)
             return replies.INTERNAL_ERROR
         try:
-            qid = await metrics.timed_accept(self.server.store(incoming, data))
+            qid = await counters.timed_accept(self.server.store(incoming, data))
         except Exception:
             log.exception("could not store a message from %s", smtp.client_ip)
             return replies.STORE_FAILED
@@ -966,22 +851,3 @@ class InboundServer:
             await listener.wait_closed()
         if self.monitor is not None:
             await self.monitor.stop()
-
-
-async def start_servers(
-    listen: Sequence[str],
-    config: InboundConfig | None = None,
-    *,
-    db_threads: int = DEFAULT_DB_THREADS,
-    monitor: Monitor | None = None,
-) -> InboundServer:
-    """Start listening on ``host:port`` strings (MAILRELAY_SMTP_LISTEN syntax).
-
-    Settings are read now, so a test's settings override applies. ``stop()``
-    the returned server to shut down.
-    """
-    server = InboundServer(
-        config or InboundConfig.from_settings(), db_threads=db_threads, monitor=monitor
-    )
-    await server.start([parse_listen(item) for item in listen])
-    return server

@@ -46,7 +46,7 @@ from delivery.pickup.parse import (
     parse_pickup,
     parse_replay,
 )
-from mailrelay import metrics
+from mailrelay import counters
 from queues import clock
 from queues.models import Event, EventLevel
 from queues.services.accept import message_accept
@@ -278,8 +278,8 @@ class FolderWatcher:
             self._taken.pop()  # not taken after all
             self._seen[name] = ident
             return FileOutcome(name, Outcome.FAILED, reason=f"database: {exc}")
-        metrics.count_accepted(self.kind)
-        metrics.count_pickup_file(self.kind, Outcome.SUBMITTED)
+        counters.count_accepted(self.kind)
+        counters.count_pickup_file(self.kind, Outcome.SUBMITTED)
         env_ = submission.envelope
         log.info(
             "%s: %s from=<%s> nrcpt=%d size=%d file=%s",
@@ -339,7 +339,7 @@ class FolderWatcher:
             self._stuck[name] = ident
             log.error("%s: %s is bad (%s) but cannot be renamed: %s", self.kind, path, reason, exc)
             return FileOutcome(name, Outcome.FAILED, reason=f"bad, not renamed: {reason}")
-        metrics.count_pickup_file(self.kind, Outcome.BAD)
+        counters.count_pickup_file(self.kind, Outcome.BAD)
         log.warning("%s: %s is bad, renamed %s: %s", self.kind, path, target.name, reason)
         _event(self.kind, f"{name} renamed {target.name}: {reason}", target.name, reason)
         return FileOutcome(name, Outcome.BAD, reason=reason)
@@ -512,7 +512,7 @@ def start_pickup(
     left alone; polling resumes by itself. With no folder configured the
     service does nothing.
     """
-    from delivery.inbound.server import DatabaseExecutor  # its threads close their connections
+    from delivery.inbound.dbthreads import DatabaseExecutor  # its threads close their connections
 
     loop = loop or asyncio.get_running_loop()
     folders = configured_folders() if folders is None else folders

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from email.utils import format_datetime
 
 from django.conf import settings
@@ -42,7 +42,6 @@ class IncomingEnvelope:
     client_name: str = ""
     protocol: str = "ESMTP"  # RFC 3848 with-keyword: SMTP, ESMTP, ESMTPS, UTF8SMTPS...
     source: str = MessageSource.SMTP
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 def new_qid() -> str:

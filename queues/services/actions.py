@@ -20,6 +20,7 @@ the preview (``messages_count`` / ``queues_count``) counts it.
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,9 +31,8 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import models, transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
-from django.db.models.functions import Substr
 
-from queues import clock
+from queues import bodies, clock
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
@@ -45,7 +45,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.replay import replay_format
+from queues.replay import replay_envelope
 from queues.signals import categorizer_work, link_work
 
 # A removed recipient's status. RFC 3463 X.7.0 ("other or undefined security
@@ -621,48 +621,46 @@ def message_remove(message: Message, actor: Actor, via: str, ndr: bool = False) 
     )
 
 
-def message_export(
+def message_export_pieces(
     message: Message, fmt: str = "eml", actor: Actor | None = None, via: str | None = None
-) -> bytes:
-    """The message exactly as stored: the received bytes behind our Received header.
+) -> Iterator[bytes]:
+    """The message exactly as stored (the received bytes behind our Received
+    header), as an iterator of pieces read from the database as it is consumed.
 
-    ``fmt="replay"`` prefixes Exchange's replay envelope (X-Sender, one
+    ``fmt="replay"`` puts Exchange's replay envelope first (X-Sender, one
     X-Receiver per recipient still to deliver), so the file can be dropped in
     the replay folder (suspend, export, copy into Replay). With an ``actor``
     the export is written to the audit log (message bodies are personal data:
-    who read which one is worth knowing).
+    who read which one is worth knowing). The format is checked and the audit
+    written now, before the first piece; ``message`` may be loaded without
+    its body (``.defer("data")``): the body is never loaded whole.
     """
     if fmt not in ("eml", "replay"):
         raise ValueError(f"unknown export format {fmt!r} (eml or replay)")
+    head: tuple[bytes, ...] = ()
     if fmt == "replay":
         pending = message.recipients.exclude(state__in=FINAL_RECIPIENT_STATES).order_by("id")
         try:
-            data = replay_format(message, pending)
+            head = (replay_envelope(message, pending),)
         except ValueError as exc:
             raise ActionConflict(f"message {message.qid}: {exc}") from None
-    else:
-        data = message.data  # loaded now when the caller deferred it
     if actor is not None:
         _audit(actor, via or Via.API, "message_export", "message", ids=[message.pk], count=1)
-    return bytes(data)
+    return itertools.chain(head, bodies.body_pieces(message.pk, EXPORT_PIECE))
 
 
-def _body_pieces(message_id: int, piece: int = EXPORT_PIECE) -> Iterator[bytes]:
-    """A stored message's bytes in pieces of ``piece`` octets, each read from the
-    database when wanted; nothing when the message is gone."""
-    start = 0
-    while True:
-        part = Substr("data", start + 1, piece, output_field=models.BinaryField())
-        data = Message.objects.filter(pk=message_id).values_list(part, flat=True).first()
-        if data is None:
-            return
-        size = len(data)
-        yield bytes(data)
-        # Dropped before the next read: one piece alive at a time, not two.
-        del data
-        if size < piece:
-            return
-        start += size
+def message_export_size(message: Message, fmt: str = "eml") -> int | None:
+    """How many octets ``message_export_pieces`` yields for an eml export (for a
+    Content-Length), without reading the body; None for replay or when gone."""
+    return bodies.body_size(message.pk) if fmt == "eml" else None
+
+
+def message_export(
+    message: Message, fmt: str = "eml", actor: Actor | None = None, via: str | None = None
+) -> bytes:
+    """``message_export_pieces`` joined: the whole export in memory (the CLI's
+    file or standard output; the web exports stream the pieces instead)."""
+    return b"".join(message_export_pieces(message, fmt, actor, via))
 
 
 def _zip_write(entry: IO[bytes], data: bytes) -> None:
@@ -699,7 +697,7 @@ def messages_export_zip(
     rows = list(queryset.order_by("id").values_list("id", "qid"))
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for message_id, qid in rows:
-            pieces = _body_pieces(message_id)
+            pieces = bodies.body_pieces(message_id, EXPORT_PIECE)
             first = next(pieces, None)
             if first is None:
                 continue
@@ -843,6 +841,8 @@ __all__ = [
     "QueueAction",
     "Via",
     "message_export",
+    "message_export_pieces",
+    "message_export_size",
     "message_remove",
     "message_resubmit",
     "message_resume",

@@ -17,11 +17,11 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from django.conf import settings
-from django.db import models, transaction
-from django.db.models.functions import Substr
+from django.db import transaction
 
-from mailrelay import metrics
+from mailrelay import counters
 from queues import clock, dsn
+from queues.bodies import body_prefix
 from queues.models import Message, MessageSource, Recipient
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.signals import categorizer_work
@@ -36,18 +36,11 @@ HEADER_READ_GROWTH = 8
 HEADER_READ_CAP = 1024 * 1024
 
 
-def _prefix(message_id: int, length: int) -> bytes:
-    """The first ``length`` octets of a stored message (SUBSTRING on the server:
-    PostgreSQL reads only the TOAST chunks it needs)."""
-    part = Substr("data", 1, length, output_field=models.BinaryField())
-    return bytes(Message.objects.values_list(part, flat=True).get(pk=message_id))
-
-
 def original_header_block(message_id: int) -> bytes:
     """The header block of a stored message, without reading its body."""
     length = HEADER_READ_FIRST
     while True:
-        prefix = _prefix(message_id, length)
+        prefix = body_prefix(message_id, length)
         block = dsn.header_block_in(prefix, whole=len(prefix) < length)
         if block is not None:
             return block
@@ -126,7 +119,7 @@ def notify(
         ),
         report,
     )
-    metrics.count_dsn(kind)
+    counters.count_dsn(kind)
     transaction.on_commit(lambda: categorizer_work.send(sender=None))
     return created
 

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from queues.durations import format_duration
 
-def duration_text(delta: timedelta) -> str:
-    """'45 s', '12 min', '3 h 5 min', '2 d 4 h'."""
-    seconds = int(abs(delta.total_seconds()))
-    if seconds < 60:
-        return f"{seconds} s"
-    minutes = seconds // 60
-    if minutes < 60:
-        return f"{minutes} min"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
-    days, hours = divmod(hours, 24)
-    return f"{days} d {hours} h" if hours else f"{days} d"
+
+def _duration(delta: timedelta) -> str:
+    """'45 s', '12 min', '3 h 5 min', '2 d 4 h' (the sign is the caller's: 'in', 'ago')."""
+    return format_duration(abs(delta), units=2, spaced=True)
 
 
 def relative_text(when: datetime | None, now: datetime) -> str:
@@ -27,12 +19,12 @@ def relative_text(when: datetime | None, now: datetime) -> str:
     delta = when - now
     if abs(delta) < timedelta(seconds=1):
         return "now"
-    text = duration_text(delta)
+    text = _duration(delta)
     return f"in {text}" if delta > timedelta(0) else f"{text} ago"
 
 
 def age_text(since: datetime | None, now: datetime) -> str:
-    return "" if since is None else duration_text(now - since)
+    return "" if since is None else _duration(now - since)
 
 
 def size_text(size: int | None) -> str:

@@ -29,6 +29,7 @@ from django.http import (
     HttpResponseRedirect,
     JsonResponse,
     QueryDict,
+    StreamingHttpResponse,
 )
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -37,6 +38,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from queues import clock
 from queues.filters import (
+    MAX_BIGINT,
+    MESSAGE_FILTERS,
     AuditFilter,
     FilterError,
     MessageFilter,
@@ -68,7 +71,8 @@ from queues.services.actions import (
     ActionConflict,
     ActionTooLarge,
     Via,
-    message_export,
+    message_export_pieces,
+    message_export_size,
     messages_export_zip_file,
 )
 from queues.services.counts import error_groups, qshape, queue_history
@@ -155,9 +159,11 @@ def _ids(values: list[str]) -> list[int]:
     out = []
     for value in values:
         try:
-            out.append(int(value))
+            number = int(value)
         except ValueError:
             continue
+        if 0 < number <= MAX_BIGINT:  # a larger id is no row, and PostgreSQL errs on it
+            out.append(number)
     return out
 
 
@@ -298,12 +304,18 @@ def qshape_view(request: HttpRequest) -> HttpResponse:
 @require_GET
 def message_list(request: HttpRequest) -> HttpResponse:
     form = MessageFilterForm(request.GET or None)
+    content = can_read_content(request.user)
+    if not content:
+        # What a viewer cannot see it cannot filter by (queues.filters: private).
+        for spec in MESSAGE_FILTERS:
+            if spec.private:
+                form.fields.pop(spec.name, None)
     rows: list[dict[str, Any]] = []
     page = None
     f = MessageFilter()
     filter_error = ""
     try:
-        f = MessageFilter.from_params(request.GET)
+        f = MessageFilter.from_params(request.GET, content=content)
         limit = parse_limit(request.GET.get("limit"), MESSAGES_PER_PAGE)
         page = messages_page(f, request.GET.get("sort"), request.GET.get("cursor"), limit)
         recipients = messages_prefetch(page.items)
@@ -388,8 +400,9 @@ def message_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @require_GET
 def deferrals(request: HttpRequest) -> HttpResponse:
     queue_id = None
-    if request.GET.get("queue", "").isdigit():
-        queue_id = int(request.GET["queue"])
+    raw_queue = request.GET.get("queue", "")
+    if raw_queue.isascii() and raw_queue.isdigit() and len(raw_queue) <= 18:
+        queue_id = int(raw_queue)
     groups = error_groups(queue_id)
     by_queue: dict[int, dict[str, Any]] = {}
     for g in groups:
@@ -569,10 +582,13 @@ def message_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
 
 @operator_required
 @require_GET
-def message_export_view(request: HttpRequest, pk: int) -> HttpResponse:
-    message = get_object_or_404(Message, pk=pk)
-    data = message_export(message, actor=request.user, via=Via.UI)
-    response = HttpResponse(data, content_type="message/rfc822")
+def message_export_view(request: HttpRequest, pk: int) -> StreamingHttpResponse:
+    # Without its body: the export streams it from the database in pieces.
+    message = get_object_or_404(Message.objects.defer("data"), pk=pk)
+    pieces = message_export_pieces(message, actor=request.user, via=Via.UI)
+    response = StreamingHttpResponse(pieces, content_type="message/rfc822")
+    if (size := message_export_size(message)) is not None:
+        response["Content-Length"] = str(size)
     response["Content-Disposition"] = f'attachment; filename="{message.qid}.eml"'
     return response
 

@@ -52,13 +52,13 @@ import asyncio
 import contextlib
 import socket
 import ssl
-import subprocess
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import trustme
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP
 
@@ -123,31 +123,15 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def make_self_signed(directory: Path) -> tuple[Path, Path]:
-    """A throw-away certificate and key (EC P-256: fast) via the openssl CLI."""
-    cert, key = directory / "sink-cert.pem", directory / "sink-key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=sink.test",
-        ],
-        check=True,
-        capture_output=True,
-    )
+def make_certificate(directory: Path, name: str = "sink.test") -> tuple[Path, Path]:
+    """A throw-away certificate for ``name`` and its key (EC P-256: fast), as PEM
+    files in ``directory``; issued by a throw-away trustme CA, in process."""
+    issued = trustme.CA().issue_cert(name)
+    cert, key = directory / f"{name}-cert.pem", directory / f"{name}-key.pem"
+    # The leaf first, then the CA: a server sends the chain, a client that
+    # trusts the CA (none here) could verify it.
+    cert.write_bytes(b"".join(pem.bytes() for pem in issued.cert_chain_pems))
+    issued.private_key_pem.write_to_path(str(key))
     return cert, key
 
 
@@ -484,7 +468,7 @@ class Sink:
 
 @pytest.fixture(scope="session")
 def sink_certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_self_signed(tmp_path_factory.mktemp("sink-tls"))
+    return make_certificate(tmp_path_factory.mktemp("sink-tls"))
 
 
 def _server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:

@@ -4,7 +4,8 @@ A leaf module (prometheus_client and django.db.transaction only), so the
 queue store, the engine and the SMTP ingress can all import it without an
 import cycle — as they import settings. What is a fact of the database
 (messages by state, queue depth, back-pressure readings) is not counted
-here: ``delivery.metrics`` reads it at scrape time.
+here: ``delivery.metrics`` reads it at scrape time (this module is
+``counters``, not ``metrics``, so the two never shadow each other).
 
 Several processes (ingress, workers, web) each count their own events. With
 ``PROMETHEUS_MULTIPROC_DIR`` set in the environment of every process

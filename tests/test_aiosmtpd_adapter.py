@@ -1,0 +1,253 @@
+"""The aiosmtpd adapter against the installed aiosmtpd.
+
+``AiosmtpdSession`` is the one place that uses aiosmtpd's private members
+(``RELIED_ON``). An aiosmtpd release may rename or reshape any of them
+without notice: these tests fail by the member's name when one is gone or
+has changed kind, when the installed version leaves the range the adapter
+was written for, and when a member no longer does what the adapter's method
+says (each method is driven on a real loopback connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiosmtpd.smtp import SMTP, Envelope
+
+from delivery.inbound.aiosmtpd_adapter import (
+    RELIED_ON,
+    SUPPORTED_VERSIONS,
+    AiosmtpdSession,
+    Kind,
+    Member,
+    installed_version,
+)
+
+# What each attribute holds on a freshly connected session (no STARTTLS yet).
+ATTRIBUTE_TYPES: dict[str, type] = {
+    "SMTP._reader": asyncio.StreamReader,
+    "SMTP._writer": asyncio.StreamWriter,
+    "SMTP._timeout_handle": asyncio.TimerHandle,
+    "SMTP._original_transport": type(None),
+    "SMTP._reader._buffer": bytearray,
+}
+
+
+def member_id(member: Member) -> str:
+    return f"{member.owner}.{member.name}"
+
+
+class Handler:
+    """An aiosmtpd handler that records the DATA hook's arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    async def handle_DATA(self, smtp: SMTP, session: Any, envelope: Envelope) -> str:  # noqa: N802
+        self.calls.append((smtp, session, envelope))
+        return "250 stored"
+
+
+class Probe(AiosmtpdSession):
+    """The adapter with its hooks observable."""
+
+    def __init__(self, handler: Handler, *, serve: bool = True, timeout: float = 30) -> None:
+        super().__init__(handler, loop=asyncio.get_running_loop(), timeout=timeout)
+        self.serve = serve
+        self.idle_closes = 0
+
+    def serves_client(self) -> bool:
+        return self.serve
+
+    def before_idle_close(self) -> None:
+        self.idle_closes += 1
+
+
+class Tagged(Envelope):
+    pass
+
+
+@contextlib.asynccontextmanager
+async def connected(
+    **options: Any,
+) -> AsyncIterator[tuple[Probe, asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A ``Probe`` serving one real loopback connection, and the client's streams."""
+    sessions: list[Probe] = []
+    made = asyncio.Event()
+
+    def factory() -> Probe:
+        session = Probe(Handler(), **options)
+        sessions.append(session)
+        made.set()
+        return session
+
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await asyncio.wait_for(made.wait(), 5)
+        yield sessions[0], reader, writer
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coroutine, 10))
+
+
+# --------------------------------------------------------------- version and members
+
+
+def test_the_installed_aiosmtpd_is_a_version_the_adapter_was_written_for():
+    low, high = SUPPORTED_VERSIONS
+    installed = installed_version()
+    assert low <= installed < high, (
+        f"aiosmtpd {'.'.join(map(str, installed))} is installed; AiosmtpdSession was written "
+        f"for >={'.'.join(map(str, low))},<{'.'.join(map(str, high))}: check every member "
+        "in RELIED_ON against the new release before widening the range"
+    )
+
+
+@pytest.mark.parametrize(
+    "member", [m for m in RELIED_ON if m.kind is not Kind.ATTRIBUTE], ids=member_id
+)
+def test_every_private_method_the_adapter_relies_on_is_still_there_and_of_its_kind(member):
+    assert member.owner == "SMTP", f"{member_id(member)}: only SMTP's methods are relied on"
+    try:
+        found = inspect.getattr_static(SMTP, member.name)
+    except AttributeError:
+        pytest.fail(f"aiosmtpd's SMTP.{member.name} is gone (used by: {member.use})")
+    assert inspect.isfunction(found), (
+        f"aiosmtpd's SMTP.{member.name} is no longer a plain method but {type(found).__name__}"
+    )
+    coroutine = inspect.iscoroutinefunction(found)
+    assert coroutine == (member.kind is Kind.COROUTINE), (
+        f"aiosmtpd's SMTP.{member.name} is {'now' if coroutine else 'no longer'} a coroutine "
+        f"function; AiosmtpdSession expects {member.kind.value} (used by: {member.use})"
+    )
+
+
+@pytest.mark.parametrize(
+    "member", [m for m in RELIED_ON if m.kind is Kind.ATTRIBUTE], ids=member_id
+)
+def test_every_private_attribute_the_adapter_relies_on_is_set_on_a_connection(member):
+    async def scenario() -> None:
+        async with connected() as (session, _reader, _writer):
+            await asyncio.sleep(0)  # let connection_made's reader/writer callback run
+            owner: Any = session
+            for part in member.owner.split(".")[1:]:
+                owner = getattr(owner, part)
+            state = vars(owner)
+            assert member.name in state, (
+                f"aiosmtpd no longer sets {member_id(member)} on a connected session "
+                f"(used by: {member.use})"
+            )
+            expected = ATTRIBUTE_TYPES[member_id(member)]
+            value = state[member.name]
+            assert isinstance(value, expected), (
+                f"{member_id(member)} holds {type(value).__name__}, not {expected.__name__} "
+                f"(used by: {member.use})"
+            )
+
+    run(scenario())
+
+
+def test_every_member_relied_on_has_its_expected_type_declared_here():
+    attributes = {member_id(m) for m in RELIED_ON if m.kind is Kind.ATTRIBUTE}
+    assert attributes == set(ATTRIBUTE_TYPES)
+
+
+def test_the_overridden_hooks_keep_the_kind_of_the_methods_they_replace():
+    for name in ("_create_envelope", "_handle_client", "_timeout_cb"):
+        ours = inspect.getattr_static(AiosmtpdSession, name)
+        theirs = inspect.getattr_static(SMTP, name)
+        assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(theirs), name
+
+
+# --------------------------------------------------------------- what each method does
+
+
+def test_a_session_that_serves_its_client_greets_and_answers():
+    async def scenario() -> None:
+        async with connected() as (session, reader, writer):
+            assert (await reader.readline()).startswith(b"220 ")
+            writer.write(b"NOOP\r\n")
+            assert (await reader.readline()).startswith(b"250")
+            assert session.starttls_begun is False
+
+    run(scenario())
+
+
+def test_a_session_that_does_not_serve_its_client_sends_no_greeting():
+    async def scenario() -> None:
+        async with connected(serve=False) as (session, reader, writer):
+            session.write_raw(b"421 busy\r\n")
+            await session.drain_writes()
+            assert session.transport is not None
+            session.transport.close()
+            assert await reader.read() == b"421 busy\r\n"
+
+    run(scenario())
+
+
+def test_the_idle_timer_calls_the_hook_before_closing():
+    async def scenario() -> None:
+        async with connected(timeout=0.05) as (session, reader, _writer):
+            assert (await reader.readline()).startswith(b"220 ")
+            assert await reader.read() == b""  # closed by the idle timer
+            assert session.idle_closes == 1
+
+    run(scenario())
+
+
+def test_moving_the_idle_timer_replaces_it_and_restarting_puts_it_back():
+    async def scenario() -> None:
+        async with connected(timeout=30) as (session, reader, _writer):
+            assert (await reader.readline()).startswith(b"220 ")
+            loop = asyncio.get_running_loop()
+            fired = asyncio.Event()
+            session.move_idle_timer(loop.time() + 0.01, fired.set)
+            await fired.wait()  # the moved timer fires ...
+            session.move_idle_timer(loop.time() + 0.01, fired.clear)
+            session.restart_idle_timer()  # ... and a restart cancels a moved one
+            await asyncio.sleep(0.05)
+            assert fired.is_set()
+            assert session.idle_closes == 0
+
+    run(scenario())
+
+
+def test_bytes_not_yet_read_are_counted_in_the_reader_buffer():
+    async def scenario() -> None:
+        async with connected(serve=False) as (session, _reader, writer):
+            writer.write(b"x" * 300)
+            await writer.drain()
+            while session.buffered_bytes() < 300:
+                await asyncio.sleep(0.005)  # the bytes cross loopback: no event tells us
+            assert await session.reader.readexactly(100) == b"x" * 100
+            assert session.buffered_bytes() == 200
+
+    run(scenario())
+
+
+def test_transactions_start_over_with_the_envelope_class_and_the_data_hook_gets_them():
+    async def scenario() -> None:
+        async with connected(serve=False) as (session, _reader, _writer):
+            session.envelope_class = Tagged
+            session.reset_transaction()
+            first = session.envelope
+            assert isinstance(first, Tagged)
+            assert await session.run_data_hook() == "250 stored"
+            handler = session.event_handler
+            assert handler.calls == [(session, session.session, first)]
+            session.end_transaction()
+            assert isinstance(session.envelope, Tagged) and session.envelope is not first
+
+    run(scenario())
