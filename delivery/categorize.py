@@ -17,8 +17,7 @@ from delivery import bell, retry
 from delivery.ownership import Claim, while_connected
 from delivery.routing import Router
 from delivery.types import Route, RouteError
-from mailrelay import counters
-from queues import clock, dsn
+from queues import clock, counters, dsn
 from queues.models import (
     Attempt,
     AttemptOutcome,

@@ -28,8 +28,7 @@ from delivery.types import (
     OutboundRecipient,
     RecipientResult,
 )
-from mailrelay import counters
-from queues import clock, dsn
+from queues import clock, counters, dsn
 from queues.bulk import bulk_update_rows
 from queues.models import (
     Attempt,

@@ -4,7 +4,7 @@ Two kinds of numbers:
 
 - **counted events** (accepted, delivered, deferred, failed, attempts by
   reply class, SMTP accept latency, DSNs, pickup files) are incremented
-  where they happen, in whichever process (``mailrelay.counters``). With
+  where they happen, in whichever process (``queues.counters``). With
   ``PROMETHEUS_MULTIPROC_DIR`` set, every process writes them to files in
   that folder and this view sums the files of all of them; without it, the
   view can only show the counts of the process that serves it.

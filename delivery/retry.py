@@ -41,7 +41,6 @@ from delivery.retryrules import (
     TryDecision,
     address_key,
     combine_decisions,
-    format_duration,
     host_key,
     load_rules,
     may_try,
@@ -50,6 +49,7 @@ from delivery.retryrules import (
     record_failure,
 )
 from delivery.types import HostFailure, RecipientResult
+from queues.units import format_duration
 
 T = TypeVar("T")
 

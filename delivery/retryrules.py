@@ -40,9 +40,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
-from mailrelay.env import parse_duration
 from queues.domains import DomainError, domain_key
-from queues.durations import format_duration  # re-exported: retrytest and nextretry print with it
+from queues.units import format_duration, parse_duration
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -61,7 +60,6 @@ __all__ = [
     "TryDecision",
     "address_key",
     "combine_decisions",
-    "format_duration",
     "host_key",
     "is_stale",
     "load_rules",

@@ -61,8 +61,8 @@ from delivery.types import (
     OutboundRecipient,
     RecipientResult,
 )
-from delivery.units import seconds
 from queues import clock
+from queues.units import seconds
 
 log = logging.getLogger(__name__)
 

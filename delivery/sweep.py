@@ -15,8 +15,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
 from delivery import bell
-from mailrelay import counters
-from queues import clock, dsn
+from queues import clock, counters, dsn
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     DeliveryType,

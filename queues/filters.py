@@ -24,7 +24,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from datetime import datetime
+from datetime import UTC, datetime
 from email.parser import BytesHeaderParser
 from email.policy import compat32
 from typing import Any, Generic, TypeVar
@@ -34,7 +34,6 @@ from django.db.models import CharField, Exists, Model, OuterRef, Q, QuerySet, Te
 from django.db.models.lookups import IContains, Lookup
 from django.utils.dateparse import parse_datetime
 
-from mailrelay.env import parse_duration, parse_size
 from queues import clock
 from queues.headers import header_block
 from queues.models import (
@@ -49,6 +48,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
+from queues.units import parse_duration, parse_size
 
 T = TypeVar("T", bound=Model)
 
@@ -58,6 +58,17 @@ MAX_LIMIT = 500
 
 class FilterError(ValueError):
     """A filter, sort or cursor parameter that cannot be understood (HTTP 400)."""
+
+
+class FilterForbidden(FilterError):
+    """A filter on what the caller's role may not see (a viewer and Message-IDs): 403."""
+
+
+# The largest value a bigint column (ids, sizes) holds: past it PostgreSQL errs.
+MAX_BIGINT = 2**63 - 1
+# error_group's digit tokens each become a regular expression; PostgreSQL refuses
+# an expression that is too complex, so a group has at most this many.
+MAX_ERROR_GROUP_TOKENS = 40
 
 
 # --- a substring lookup the pg_trgm indexes can serve --------------------------
@@ -194,6 +205,8 @@ def _text(value: str, name: str) -> str:
     value = value.strip()
     if len(value) > 998:
         raise FilterError(f"{name}: at most 998 characters")
+    if "\x00" in value:  # PostgreSQL text cannot hold NUL
+        raise FilterError(f"{name}: must not contain NUL characters")
     return value
 
 
@@ -204,19 +217,30 @@ def _when(value: str, name: str) -> datetime:
         return clock.now() - parse_duration(value)
     except ValueError:
         pass
-    parsed = parse_datetime(value)
+    except OverflowError:  # 99999999999w: further back than any calendar
+        raise FilterError(f"{name}: {value!r} is too long ago") from None
+    try:
+        parsed = parse_datetime(value)
+    except ValueError:  # well formed but no such time (2026-02-30, +25:00)
+        raise FilterError(f"{name}: {value!r} is not a valid time") from None
     if parsed is None:
         raise FilterError(f"{name}: {value!r} is neither a duration (2h, 30m) nor an ISO time")
     if parsed.tzinfo is None:
         raise FilterError(f"{name}: {value!r} has no time zone (add Z or +00:00)")
-    return parsed
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00+01:00 is in year 0
+        raise FilterError(f"{name}: {value!r} is out of range") from None
 
 
 def _size(value: str, name: str) -> int:
     try:
-        return parse_size(value)
+        size = parse_size(value)
     except ValueError:
         raise FilterError(f"{name}: {value!r} is not a size (e.g. 10K, 2MB, 1048576)") from None
+    if size > MAX_BIGINT:
+        raise FilterError(f"{name}: {value!r} is too large")
+    return size
 
 
 def _int(value: str, name: str) -> int:
@@ -226,6 +250,8 @@ def _int(value: str, name: str) -> int:
         raise FilterError(f"{name}: {value!r} is not a number") from None
     if number < 0:
         raise FilterError(f"{name}: must not be negative")
+    if number > MAX_BIGINT:
+        raise FilterError(f"{name}: {value!r} is too large")
     return number
 
 
@@ -271,6 +297,9 @@ class FilterParam:
     choices: Callable[[], Sequence[tuple[str, str]]] | None = None
     attr: str = ""
     edges: frozenset[str] = EDGES
+    # Filters by what only content readers see (queues.permissions.can_read_content):
+    # refused for viewers, or a viewer could confirm a value by its results.
+    private: bool = False
 
     @property
     def field_name(self) -> str:
@@ -289,12 +318,20 @@ class FilterParam:
         return _PARSERS[self.kind](raw, self.name)
 
 
-def _parse_into(target: Any, table: Sequence[FilterParam], params: Mapping[str, Any]) -> None:
-    """Fill ``target``'s fields from the non-empty ``params`` of ``table`` (others ignored)."""
+def _parse_into(
+    target: Any, table: Sequence[FilterParam], params: Mapping[str, Any], content: bool = True
+) -> None:
+    """Fill ``target``'s fields from the non-empty ``params`` of ``table`` (others ignored).
+
+    ``content``: whether the caller may read message content; without it a
+    private parameter is refused (FilterForbidden).
+    """
     for spec in table:
         raw = params.get(spec.name)
         if raw is None or not str(raw).strip():
             continue
+        if spec.private and not content:
+            raise FilterForbidden(f"{spec.name}: this filter needs the operator role")
         value = str(raw)
         target.params[spec.name] = value
         setattr(target, spec.field_name, spec.parse(value))
@@ -316,7 +353,13 @@ MESSAGE_FILTERS: tuple[FilterParam, ...] = (
     ),
     FilterParam("domain", "domain", "a recipient domain, exactly", label="Recipient domain"),
     FilterParam("subject", "text", "substring of the Subject"),
-    FilterParam("message_id", "text", "substring of the Message-ID header", label="Message-ID"),
+    FilterParam(
+        "message_id",
+        "text",
+        "substring of the Message-ID header (operators; refused for viewers)",
+        label="Message-ID",
+        private=True,
+    ),
     FilterParam("qid", "text", "queue id, exactly", label="Queue id"),
     FilterParam(
         "status",
@@ -391,10 +434,15 @@ class MessageFilter:
     PARAMS = tuple(spec.name for spec in MESSAGE_FILTERS)
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> MessageFilter:
-        """Parse the filter parameters of ``params``; other keys are ignored."""
+    def from_params(cls, params: Mapping[str, Any], *, content: bool = True) -> MessageFilter:
+        """Parse the filter parameters of ``params``; other keys are ignored.
+
+        ``content=False`` (a viewer): private filters (Message-ID) are refused.
+        """
         f = cls()
-        _parse_into(f, MESSAGE_FILTERS, params)
+        _parse_into(f, MESSAGE_FILTERS, params, content)
+        if f.error_group.count("#") > MAX_ERROR_GROUP_TOKENS:
+            raise FilterError(f"error_group: at most {MAX_ERROR_GROUP_TOKENS} # tokens")
         return f
 
     def as_params(self) -> dict[str, str]:
@@ -511,9 +559,11 @@ def _decode_cursor(cursor: str, model_field: models.Field) -> tuple[Any, int, bo
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         value, pk, direction = json.loads(raw)
-        if not isinstance(pk, int) or direction not in ("n", "p"):
+        if not isinstance(pk, int) or direction not in ("n", "p") or not 0 <= pk <= MAX_BIGINT:
             raise ValueError
         value = model_field.to_python(value)
+        if value is None or (isinstance(value, int) and abs(value) > MAX_BIGINT):
+            raise ValueError
     except Exception:  # noqa: BLE001 - whatever is wrong with it, it is not ours
         raise FilterError("cursor: not a cursor this list handed out") from None
     return value, pk, direction == "n"
@@ -761,6 +811,7 @@ __all__ = [
     "QUEUE_FILTERS",
     "AuditFilter",
     "FilterError",
+    "FilterForbidden",
     "FilterParam",
     "MessageFilter",
     "MessageStatus",

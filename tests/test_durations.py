@@ -6,8 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from mailrelay.env import parse_duration
-from queues.durations import format_duration
+from queues.units import format_duration, parse_duration
 
 S = timedelta(seconds=1)
 M = timedelta(minutes=1)

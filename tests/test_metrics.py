@@ -279,7 +279,7 @@ def test_it_shows_every_back_pressure_resource_of_every_node(client):
 
 
 COUNT_IN_ANOTHER_PROCESS = """
-from mailrelay import counters
+from queues import counters
 counters.MESSAGES_ACCEPTED.labels(source="smtp").inc(3)
 counters.SMTP_ACCEPT_SECONDS.observe(0.02)
 counters.DSNS_SENT.labels(kind="delay").inc()

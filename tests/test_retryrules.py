@@ -23,7 +23,6 @@ from delivery.retryrules import (
     TryDecision,
     address_key,
     combine_decisions,
-    format_duration,
     host_key,
     load_rules,
     load_rules_or_default,
@@ -668,13 +667,6 @@ def test_retry_keys():
     assert address_key("u@example.com", "<>") == "R:u@example.com:<>"
     assert address_key("u@example.com", "s@x.example") == "R:u@example.com:<s@x.example>"
     assert address_key("u@example.com", None) == "R:u@example.com"
-
-
-def test_format_duration():
-    assert format_duration(timedelta(0)) == "0s"
-    assert format_duration(D + 8 * H + 15 * M) == "1d8h15m"
-    assert format_duration(7 * H + 35 * M + timedelta(seconds=37.5)) == "7h35m37.5s"
-    assert format_duration(-15 * M) == "-15m"
 
 
 # ---------------------------------------------------------------------- command

@@ -1,4 +1,4 @@
-"""``delivery.units``: the one duration-to-seconds conversion."""
+"""``queues.units``: the one duration-to-seconds conversion."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.units import seconds
+from queues.units import seconds
 
 
 @pytest.mark.parametrize(

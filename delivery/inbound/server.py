@@ -47,7 +47,7 @@ from delivery.inbound import policy, replies
 from delivery.inbound.aiosmtpd_adapter import AiosmtpdSession
 from delivery.inbound.dbthreads import DatabaseExecutor
 from delivery.inbound.doorbell import CoalescedBell
-from mailrelay import counters
+from queues import counters
 from queues.headers import header_end
 from queues.models import MessageSource
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept

@@ -46,8 +46,7 @@ from delivery.pickup.parse import (
     parse_pickup,
     parse_replay,
 )
-from mailrelay import counters
-from queues import clock
+from queues import clock, counters
 from queues.models import Event, EventLevel
 from queues.services.accept import message_accept
 

@@ -19,8 +19,7 @@ from datetime import datetime
 from django.conf import settings
 from django.db import transaction
 
-from mailrelay import counters
-from queues import clock, dsn
+from queues import clock, counters, dsn
 from queues.bodies import body_prefix
 from queues.models import Message, MessageSource, Recipient
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept

@@ -5,9 +5,9 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Q
 
-from delivery.retryrules import format_duration
 from queues import clock
 from queues.models import Link, Queue, RetryHint
+from queues.units import format_duration
 
 
 class Command(BaseCommand):

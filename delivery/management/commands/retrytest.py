@@ -26,12 +26,11 @@ from delivery.retryrules import (
     RetryRules,
     Rule,
     ScheduledTry,
-    format_duration,
     load_rules_or_default,
     parse_error_name,
     projected_schedule,
 )
-from mailrelay.env import parse_duration
+from queues.units import format_duration, parse_duration
 
 # A final cutoff this long is "never" (delivery.retry.FOREVER): project to expiry.
 NEVER_ENDS = timedelta(days=365)
