@@ -21,10 +21,12 @@ tried in the order written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import random
 import re
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -485,6 +487,16 @@ def _route_name(domain: str) -> str:
         ) from None
 
 
+@functools.lru_cache(maxsize=4)
+def _configured_routes(
+    transports: str, smart_host: str, port: int
+) -> tuple[Mapping[str, tuple[NextHop, ...]], tuple[NextHop, ...]]:
+    """MAILRELAY_TRANSPORTS and MAILRELAY_SMART_HOST parsed (cached: not per batch)."""
+    parsed = parse_transports(transports, port)
+    hops = parse_next_hop(smart_host, port) if smart_host.strip() else ()
+    return types.MappingProxyType(dict(parsed)), tuple(hops)
+
+
 class Router:
     """Routes recipient domains: transport map, else smart host, else DNS MX.
 
@@ -514,11 +526,13 @@ class Router:
 
     @classmethod
     def from_settings(cls) -> Router:
-        return cls(
-            transports=settings.MAILRELAY_TRANSPORTS,
-            smart_host=settings.MAILRELAY_SMART_HOST,
-            default_port=settings.MAILRELAY_REMOTE_SMTP_PORT,
+        """A router on the configured routes, parsed once per process (and again
+        only when the settings change, as tests change them)."""
+        port = settings.MAILRELAY_REMOTE_SMTP_PORT
+        transports, smart_host = _configured_routes(
+            settings.MAILRELAY_TRANSPORTS, settings.MAILRELAY_SMART_HOST, port
         )
+        return cls(transports=transports, smart_host=smart_host, default_port=port)
 
     @property
     def resolver(self) -> dns.resolver.Resolver:

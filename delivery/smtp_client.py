@@ -137,13 +137,6 @@ class ClientConfig:
 # --- helpers --------------------------------------------------------------------
 
 
-def dot_stuff(data: bytes) -> bytes:
-    """The body as it goes on the wire after DATA, final ``.CRLF`` included
-    (the client itself writes ``stuffed(data)`` and ``END_MARK`` separately,
-    saving a copy of the body)."""
-    return stuffed(data) + END_MARK
-
-
 def stuffed(data: bytes) -> bytes:
     """The body as it goes on the wire after DATA, without the final ``.CRLF``.
 

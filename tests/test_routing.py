@@ -688,3 +688,25 @@ def test_answers_are_cached_for_their_ttl(router, dns_settings):
 
     assert router.route("example.com").hosts[0].host == "mx.example.com"
     assert len(dns_settings.queried("example.com")) == 1
+
+
+def test_the_transport_map_is_parsed_once_not_per_batch(settings, monkeypatch):
+    from delivery import routing
+
+    settings.MAILRELAY_TRANSPORTS = "parsed-once.example=[192.0.2.7]:2525"
+    settings.MAILRELAY_SMART_HOST = ""
+    calls = []
+    real = routing.parse_transports
+
+    def counting(text, port):
+        calls.append(text)
+        return real(text, port)
+
+    monkeypatch.setattr(routing, "parse_transports", counting)
+    routing._configured_routes.cache_clear()
+    first, second = routing.Router.from_settings(), routing.Router.from_settings()
+    assert first.route("parsed-once.example") == second.route("parsed-once.example")
+    assert calls == ["parsed-once.example=[192.0.2.7]:2525"]
+    settings.MAILRELAY_TRANSPORTS = "parsed-once.example=[192.0.2.8]:2525"
+    assert routing.Router.from_settings().route("parsed-once.example").hosts[0].host == "192.0.2.8"
+    assert len(calls) == 2

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.smtp_client import ClientConfig, deliver, dot_stuff
+from delivery.smtp_client import END_MARK, ClientConfig, deliver, stuffed
 from delivery.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
 
 A, B = "127.0.0.2", "127.0.0.3"
@@ -88,12 +88,17 @@ def outcomes(batch: BatchResult, messages: list[OutboundMessage]) -> list[str]:
 # --- the basics ----------------------------------------------------------------------
 
 
-def test_dot_stuff():
-    assert dot_stuff(b"a\r\n.b\r\n..c\r\n.\r\n") == b"a\r\n..b\r\n...c\r\n..\r\n.\r\n"
-    assert dot_stuff(b".start\r\nend") == b"..start\r\nend\r\n.\r\n"
-    assert dot_stuff(b"") == b".\r\n"
+def wire(data: bytes) -> bytes:
+    """The body as it goes on the wire after DATA, the final dot included."""
+    return stuffed(data) + END_MARK
+
+
+def test_wire():
+    assert wire(b"a\r\n.b\r\n..c\r\n.\r\n") == b"a\r\n..b\r\n...c\r\n..\r\n.\r\n"
+    assert wire(b".start\r\nend") == b"..start\r\nend\r\n.\r\n"
+    assert wire(b"") == b".\r\n"
     # bare line ends never reach the wire (SMTP smuggling)
-    assert dot_stuff(b"a\n.\nb\r.\rc") == b"a\r\n..\r\nb\r\n..\r\nc\r\n.\r\n"
+    assert wire(b"a\n.\nb\r.\rc") == b"a\r\n..\r\nb\r\n..\r\nc\r\n.\r\n"
 
 
 def test_delivers_the_exact_bytes(sink, smtp_port):

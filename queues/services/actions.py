@@ -15,7 +15,7 @@ Bulk forms (``messages_apply``, ``queues_apply``) act on every message or
 queue of a selection for which the action makes sense and skip the others;
 they return how many they changed. ``messages_select`` / ``queues_select``
 are the query that says which: the bulk form changes exactly its rows and
-the preview (``messages_count`` / ``queues_count``) counts it.
+the preview (``queues.spec.OperatorAction.preview``) counts it.
 """
 
 from __future__ import annotations
@@ -468,11 +468,6 @@ def queues_select(action: str, queryset: QuerySet[Queue]) -> QuerySet[Queue]:
     return QUEUE_SELECTIONS[QueueAction(action).value](queryset)
 
 
-def queues_count(queryset: QuerySet[Queue], action: str) -> int:
-    """The preview of a bulk queue action: how many queues ``queues_apply`` would change."""
-    return queues_select(action, queryset).count()
-
-
 def queues_apply(
     action: str,
     queryset: QuerySet[Queue],
@@ -829,11 +824,6 @@ def messages_apply(
     return count
 
 
-def messages_count(queryset: QuerySet[Message], action: str) -> int:
-    """The preview of a bulk message action: how many ``messages_apply`` would change."""
-    return messages_select(action, queryset).count()
-
-
 __all__ = [
     "ActionConflict",
     "ActionTooLarge",
@@ -848,7 +838,6 @@ __all__ = [
     "message_resume",
     "message_suspend",
     "messages_apply",
-    "messages_count",
     "messages_export_zip",
     "messages_select",
     "messages_export_zip_file",
@@ -857,6 +846,5 @@ __all__ = [
     "queue_retry",
     "queue_suspend",
     "queues_apply",
-    "queues_count",
     "queues_select",
 ]
