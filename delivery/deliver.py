@@ -16,7 +16,6 @@ from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import F
 
 from delivery import retry
-from delivery import retryrules as rr
 from delivery.categorize import park_poison, worker_id
 from delivery.ownership import Claim, while_connected
 from delivery.routing import order_targets
@@ -41,7 +40,6 @@ from queues.models import (
     Queue,
     Recipient,
     RecipientState,
-    RetryHint,
 )
 from queues.services.notify import notify
 from queues.services.placement import special_queue
@@ -204,7 +202,7 @@ class _Round:
     failed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
     relayed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
     message_failures: set[int] = field(default_factory=set)
-    hints: list[rr.RetryData] = field(default_factory=list)
+    hints: list[retry.RetryData] = field(default_factory=list)
     cleared_hints: list[str] = field(default_factory=list)
     delivered_queues: set[int] = field(default_factory=set)
     errors_by_queue: dict[int, str] = field(default_factory=dict)
@@ -230,7 +228,7 @@ def _decide(
     batch: BatchResult,
     rows: dict[int, Recipient],
     senders: dict[int, str],
-    host_hints: dict[str, rr.RetryData],
+    host_hints: dict[str, retry.RetryData],
     now: datetime,
 ) -> _Round:
     """Decide what a round's results mean, without touching the database.
@@ -312,9 +310,7 @@ def _decide(
         if res.outcome == AttemptOutcome.DELIVERED:
             row.state, row.final_at = RecipientState.DELIVERED, now
             rnd.delivered_queues.add(row.queue_id)
-            rnd.cleared_hints.append(rr.address_key(row.address, sender))
-            if res.host:
-                rnd.cleared_hints.append(rr.host_key(res.host, res.ip))
+            rnd.cleared_hints += retry.cleared_by_delivery(row.address, sender, res.host, res.ip)
             if "SUCCESS" in row.notify.upper() and not res.peer_dsn:
                 rnd.relayed[row.message_id].append(row)
         elif res.outcome == AttemptOutcome.FAILED or timed_out:
@@ -344,8 +340,8 @@ def _record(link: Link, batch: BatchResult, owner: str) -> None:
             "id", "mail_from"
         )
     )
-    keys = [rr.host_key(f.host, f.ip) for f in batch.host_failures if f.host]
-    rnd = _decide(link, batch, rows, senders, _load_hints(keys), now)
+    hints = retry.stored_hints(f for f in batch.host_failures if f.host)
+    rnd = _decide(link, batch, rows, senders, hints, now)
     _write(rnd, link, batch, claimed, owner)
 
 
@@ -361,28 +357,6 @@ _RECIPIENT_READ_FIELDS = (
     "next_attempt_at",
     "queue_id",
 )
-
-
-def _load_hints(keys: list[str]) -> dict[str, rr.RetryData]:
-    return {key: _as_hint(row) for key, row in RetryHint.objects.load(keys).items()}
-
-
-def _as_hint(row: RetryHint) -> rr.RetryData:
-    return rr.RetryData(
-        row.key, row.first_failed, row.last_tried, row.next_try, row.expired, row.error, row.text
-    )
-
-
-def _as_row(hint: rr.RetryData) -> RetryHint:
-    return RetryHint(
-        key=hint.key,
-        first_failed=hint.first_failed,
-        last_tried=hint.last_tried,
-        next_try=hint.next_try,
-        expired=hint.expired,
-        error=hint.error,
-        text=_clean(hint.text)[:2000],
-    )
 
 
 def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> None:
@@ -412,8 +386,8 @@ def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> 
         # Claimed but never tried (the round stopped when it lost its claim,
         # or a peer never got to them): waiting again, due now.
         Recipient.objects.owned_by(owner).release(now)
-        RetryHint.objects.save(_as_row(h) for h in rnd.hints)
-        RetryHint.objects.clear(rnd.cleared_hints)
+        retry.store_hints(rnd.hints)
+        retry.forget_hints(rnd.cleared_hints)
         _notify_round(rnd)
         if rnd.message_failures:
             threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
@@ -499,7 +473,7 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
     hops = [NextHop.from_json(h) for h in link.hosts]
     targets, error = order_targets(hops)
     domain = messages[0].recipients[0].address.rpartition("@")[2] if messages else link.name
-    hints = _load_hints([rr.host_key(t.host, t.ip) for t in targets])
+    hints = retry.stored_hints(targets)
     targets, verdict = retry.usable_targets(targets, hints, domain=domain, now=clock.now())
     if verdict == "bounce":
         batch = _unattempted(

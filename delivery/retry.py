@@ -24,11 +24,11 @@ How Exchange's counters and Exim's rules combine (README, "Retry"):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from django.conf import settings
 
@@ -49,9 +49,16 @@ from delivery.retryrules import (
     record_failure,
 )
 from delivery.types import HostFailure, RecipientResult
+from queues.models import RetryHint
 from queues.units import format_duration
 
 T = TypeVar("T")
+
+
+class Peer(Protocol):
+    host: str
+    ip: str
+
 
 FOREVER = timedelta(days=36500)
 MESSAGE_ERRORS = ("rcpt_4xx", "mail_4xx", "data_4xx")
@@ -365,3 +372,46 @@ def usable_targets(
         return [], verdict
     ready = [t for t, d in zip(targets, decisions, strict=True) if d is TryDecision.TRY]
     return (ready or list(targets)), "try"
+
+
+# --- retry data, stored (Exim's hints database is the RetryHint table) ----------------
+
+
+def stored_hints(hosts: Iterable[HostFailure | Peer]) -> dict[str, RetryData]:
+    """The stored retry data of these hosts (anything with ``host`` and ``ip``)."""
+    keys = [host_key(h.host, h.ip) for h in hosts]
+    return {key: _as_data(row) for key, row in RetryHint.objects.load(keys).items()}
+
+
+def store_hints(hints: Iterable[RetryData]) -> None:
+    RetryHint.objects.save(_as_row(h) for h in hints)
+
+
+def forget_hints(keys: Iterable[str]) -> None:
+    RetryHint.objects.clear(keys)
+
+
+def cleared_by_delivery(address: str, sender: str, host: str, ip: str) -> list[str]:
+    """A delivery resets the retry clock of its address and of the host that took it."""
+    keys = [address_key(address, sender)]
+    if host:
+        keys.append(host_key(host, ip))
+    return keys
+
+
+def _as_data(row: RetryHint) -> RetryData:
+    return RetryData(
+        row.key, row.first_failed, row.last_tried, row.next_try, row.expired, row.error, row.text
+    )
+
+
+def _as_row(hint: RetryData) -> RetryHint:
+    return RetryHint(
+        key=hint.key,
+        first_failed=hint.first_failed,
+        last_tried=hint.last_tried,
+        next_try=hint.next_try,
+        expired=hint.expired,
+        error=hint.error,
+        text=hint.text.replace("\x00", "\ufffd")[:2000],  # PostgreSQL text holds no NUL
+    )
