@@ -52,6 +52,8 @@ class Link(models.Model):
     last_error = models.TextField(blank=True)
     last_error_at = models.DateTimeField(null=True, blank=True)
     last_success_at = models.DateTimeField(null=True, blank=True)
+    # The TLS of the last session (e.g. "TLSv1.3 verified (mta-sts)"; "" before any).
+    last_tls = models.CharField(max_length=120, blank=True)
     # A delivery task owns the link while it delivers (one owner at a time).
     lease_owner = models.CharField(max_length=100, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
@@ -127,6 +129,12 @@ class Message(models.Model):
     lease_owner = models.CharField(max_length=100, blank=True)
     lease_until = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
+    # The SMTP account that submitted it with AUTH ("" when none).
+    auth_account = models.CharField(max_length=150, blank=True)
+    # Header fields added when the message is sent (a DKIM-Signature), before
+    # the stored bytes: what leaves is ``signature + data``; ``data`` stays
+    # exactly what was received.
+    signature = models.BinaryField(default=b"", blank=True)
 
     objects = MessageQuerySet.as_manager()
 
@@ -155,6 +163,12 @@ class Message(models.Model):
             models.Index(fields=["received_at", "id"], name="message_received"),
             # Queue Viewer message list sorted by size, and the min/max size filters
             models.Index(fields=["size", "id"], name="message_size"),
+            # Queue Viewer message list filtered by the submitting SMTP account
+            models.Index(
+                fields=["auth_account", "id"],
+                name="message_by_account",
+                condition=~Q(auth_account=""),
+            ),
             # Substring filters on mail_from, subject and message_id use pg_trgm GIN
             # indexes created by migration 0003 on PostgreSQL only (not in model state).
         ]
@@ -235,6 +249,13 @@ class Attempt(models.Model):
     enhanced = models.CharField(max_length=16, blank=True)
     text = models.TextField(blank=True)
     outcome = models.CharField(max_length=10, choices=AttemptOutcome.choices)
+    # The session's TLS ("" in cleartext), how the peer was verified, under
+    # which policy level, and the AUTH mechanism used with the next hop.
+    tls_version = models.CharField(max_length=16, blank=True)
+    tls_cipher = models.CharField(max_length=100, blank=True)
+    tls_verified = models.CharField(max_length=20, blank=True)  # none/ca/dane/mta-sts
+    tls_policy = models.CharField(max_length=20, blank=True)  # none/may/encrypt/verify/...
+    auth_used = models.CharField(max_length=20, blank=True)  # PLAIN/LOGIN
 
     class Meta:
         indexes = [models.Index(fields=["message", "started_at"], name="attempt_by_message")]
@@ -328,3 +349,54 @@ class AuditEntry(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["created_at"], name="audit_by_time")]
+
+
+class SmtpAccount(models.Model):
+    """A client that may relay with SMTP AUTH (submission): mailrelay's own accounts."""
+
+    username = models.CharField(max_length=150, unique=True)
+    password = models.CharField(max_length=128)  # Django's hasher format, never shown
+    enabled = models.BooleanField(default=True)
+    # Sender addresses ("user@example.com") and domains ("example.com") it may use.
+    allowed_senders = models.JSONField(default=list, blank=True)
+    max_messages_per_hour = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    last_login_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return self.username
+
+
+class MtaStsPolicy(models.Model):
+    """A domain's MTA-STS policy (RFC 8461), cached for its max_age."""
+
+    domain = models.CharField(max_length=255, unique=True)
+    policy_id = models.CharField(max_length=64)
+    mode = models.CharField(max_length=10)  # enforce / testing / none
+    mx = models.JSONField(default=list)  # the policy's mx patterns
+    max_age = models.PositiveIntegerField()
+    text = models.TextField(blank=True)  # the policy as fetched
+    fetched_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.domain} ({self.mode})"
+
+
+class DkimKey(models.Model):
+    """A DKIM signing key kept in the database (keys may also come from files)."""
+
+    domain = models.CharField(max_length=255)
+    selector = models.CharField(max_length=63)
+    algorithm = models.CharField(max_length=20)  # rsa-sha256 / ed25519-sha256
+    private_key = models.TextField()  # PEM (RSA) or base64 seed (Ed25519), never shown
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["domain", "selector"], name="dkimkey_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.selector}._domainkey.{self.domain}"
