@@ -146,6 +146,13 @@ class Message(models.Model):
                 name="message_submission_due",
                 condition=Q(state="submission"),
             ),
+            # categorizer claim of a message to be tried alone (isolate): found
+            # without scanning the whole due backlog
+            models.Index(
+                fields=["next_attempt_at", "id"],
+                name="message_isolated_due",
+                condition=Q(state="submission", isolate=True),
+            ),
             # sweep: expired categorizer claims
             models.Index(
                 fields=["lease_until"],
