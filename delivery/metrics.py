@@ -14,7 +14,8 @@ Two kinds of numbers:
   follows the live queue — never one per message, never a scan of the
   finished messages kept for days.
 
-Set ``MAILRELAY_METRICS_TOKEN`` to require ``Authorization: Bearer <token>``.
+Set ``MAILRELAY_METRICS_TOKEN`` to require ``Authorization: Bearer <token>``;
+without it only ``MAILRELAY_METRICS_ALLOWED_NETWORKS`` may scrape.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from queues import clock
+from queues.access import client_in_networks
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     DeliveryType,
@@ -303,6 +305,10 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
             response = HttpResponse("authorization required\n", status=401)
             response["WWW-Authenticate"] = 'Bearer realm="metrics"'
             return response
+    elif not client_in_networks(request, settings.MAILRELAY_METRICS_ALLOWED_NETWORKS):
+        # No token: only the scrapers' networks (loopback and private ranges by
+        # default) may read what it shows (every destination domain).
+        return HttpResponse("forbidden\n", status=403)
     # Prometheus text 0.0.4 unless the scraper asks for OpenMetrics or a newer text.
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
     return HttpResponse(encoder(scrape_registry()), content_type=content_type)

@@ -19,14 +19,71 @@ from .env import (
     env_size,
     env_str,
 )
+from .secret_key import secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("MAILRELAY_DATA_DIR", str(BASE_DIR / "var")))
 
-SECRET_KEY = env_str("DJANGO_SECRET_KEY", "insecure-development-key-change-me")
 DEBUG = env_bool("DJANGO_DEBUG", False)
+# --- security (README "Production"): no known key in production, HTTPS behind a proxy.
+# A missing DJANGO_SECRET_KEY: DEBUG uses the development key; the embedded
+# default (no DATABASE_URL, one machine, everything in var/) reads or creates
+# var/secret-key.txt; else the web app does not start (mailrelay.secret_key).
+SECRET_KEY = secret_key(
+    env_str("DJANGO_SECRET_KEY", ""),
+    debug=DEBUG,
+    data_dir=DATA_DIR,
+    embedded=not env_str("DATABASE_URL", ""),
+)
+# No key (empty SECRET_KEY): the web app refuses to start; runall stores one for make run.
+MAILRELAY_SECRET_KEY_MISSING = not SECRET_KEY
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
 CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", "")
+if env_bool("DJANGO_SECURE_PROXY_SSL_HEADER", False):
+    # The TLS proxy in front of us says the request came over HTTPS; only set
+    # this when the proxy always sets (or strips) X-Forwarded-Proto.
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Served over HTTPS: cookies only over HTTPS, plain HTTP redirected (health
+# checks and Prometheus scrapes inside the network stay on HTTP).
+MAILRELAY_HTTPS = env_bool("DJANGO_HTTPS", env_bool("DJANGO_SECURE_PROXY_SSL_HEADER", False))
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = MAILRELAY_HTTPS
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
+SECURE_HSTS_SECONDS = int(env_duration("DJANGO_SECURE_HSTS_SECONDS", "0s").total_seconds())
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_SECURE_HSTS_PRELOAD", False)
+# Joining the browsers' preload list is the domain owner's decision, not the relay's.
+SILENCED_SYSTEM_CHECKS = ["security.W021"]
+SESSION_COOKIE_AGE = int(env_duration("DJANGO_SESSION_COOKIE_AGE", "12h").total_seconds())
+# Login throttling (queues.throttle): failures per user name and per client address.
+MAILRELAY_LOGIN_FAILURE_LIMIT = env_int("MAILRELAY_LOGIN_FAILURE_LIMIT", 5)
+MAILRELAY_LOGIN_FAILURE_WINDOW = env_duration("MAILRELAY_LOGIN_FAILURE_WINDOW", "15m")
+MAILRELAY_LOGIN_LOCKOUT = env_duration("MAILRELAY_LOGIN_LOCKOUT", "15m")
+# Proxies whose X-Forwarded-For names the client (login throttling, /metrics networks).
+MAILRELAY_TRUSTED_PROXIES = env_networks("MAILRELAY_TRUSTED_PROXIES", "")
+# /api/schema/ and /api/docs/ for anonymous users too (default: logged-in users only).
+MAILRELAY_API_DOCS_PUBLIC = env_bool("MAILRELAY_API_DOCS_PUBLIC", False)
+# /metrics without MAILRELAY_METRICS_TOKEN: only these clients (loopback and private ranges).
+MAILRELAY_METRICS_ALLOWED_NETWORKS = env_networks(
+    "MAILRELAY_METRICS_ALLOWED_NETWORKS",
+    "127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7",
+)
+# The cache holds the login throttle's counters, shared by every web process:
+# Redis when it is the broker, else files in the data folder (the embedded default).
+if env_str("CELERY_BROKER_URL", "").startswith(("redis://", "rediss://")):
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": env_str("CELERY_BROKER_URL", ""),
+            "KEY_PREFIX": "mailrelay",
+        }
+    }
+else:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(DATA_DIR / "cache"),
+        }
+    }
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -44,6 +101,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "mailrelay.secret_key.RequireSecretKey",  # the web app needs DJANGO_SECRET_KEY
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -134,6 +192,12 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Three models have a "state": name each enum (else W001 in manage.py check).
+    "ENUM_NAME_OVERRIDES": {
+        "LinkStateEnum": "queues.states.LinkState",
+        "MessageStateEnum": "queues.states.MessageState",
+        "RecipientStateEnum": "queues.states.RecipientState",
+    },
 }
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
@@ -259,6 +323,11 @@ MAILRELAY_PICKUP_MAX_HEADER_SIZE = env_size("MAILRELAY_PICKUP_MAX_HEADER_SIZE", 
 MAILRELAY_PICKUP_MAX_RECIPIENTS_PER_MESSAGE = env_int(
     "MAILRELAY_PICKUP_MAX_RECIPIENTS_PER_MESSAGE", 100
 )
+# --- DKIM signing at accept (README "DKIM"; queues/dkim.py)
+MAILRELAY_DKIM_KEYS_DIR = env_str("MAILRELAY_DKIM_KEYS_DIR", "")  # <domain>.<selector>.key
+MAILRELAY_DKIM_SIGNING_DOMAIN = env_str("MAILRELAY_DKIM_SIGNING_DOMAIN", "")  # "" = From's
+MAILRELAY_DKIM_HEADERS = env_list("MAILRELAY_DKIM_HEADERS", "")  # "" = RFC 6376's usual set
+MAILRELAY_DKIM_KEY_REFRESH = env_duration("MAILRELAY_DKIM_KEY_REFRESH", "1m")
 # --- metrics (docs/metrics.md); PROMETHEUS_MULTIPROC_DIR is read by prometheus_client itself
 MAILRELAY_METRICS_TOKEN = env_str("MAILRELAY_METRICS_TOKEN", "")
 

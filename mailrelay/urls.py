@@ -1,9 +1,13 @@
+"""Every URL and the role it needs: README "URLs and roles" (tests/test_url_roles.py
+walks every pattern here and checks it against that table)."""
+
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
 from django.urls import include, path
 
 from delivery.backpressure.api import BackPressureView
 from delivery.metrics import metrics_view
+from queues.login import TokenView
 
 
 def healthz(request: HttpRequest) -> HttpResponse:
@@ -14,6 +18,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", healthz),
     path("metrics", metrics_view),
+    path("api/v1/auth/token/", TokenView.as_view(), name="api-token"),
     path("api/v1/backpressure/", BackPressureView.as_view(), name="backpressure"),
     path("api/", include("queues.api.urls")),
     path("", include("queues.ui.urls")),

@@ -123,6 +123,19 @@ def test_it_refuses_a_scrape_without_the_token_when_one_is_set(client, settings)
     assert value(samples, "mailrelay_database_up") == 1
 
 
+def test_without_a_token_only_the_allowed_networks_may_scrape(client, settings):
+    """Without MAILRELAY_METRICS_TOKEN the metrics (which name every destination
+    domain) go only to MAILRELAY_METRICS_ALLOWED_NETWORKS: loopback and private
+    ranges by default."""
+    settings.MAILRELAY_METRICS_TOKEN = ""
+    assert client.get("/metrics", REMOTE_ADDR="192.0.2.1").status_code == 403
+    assert client.get("/metrics", REMOTE_ADDR="127.0.0.1").status_code == 200
+    assert client.get("/metrics", REMOTE_ADDR="10.1.2.3").status_code == 200
+    settings.MAILRELAY_METRICS_TOKEN = "s3cret"  # a token: any network, with the token
+    ok = client.get("/metrics", REMOTE_ADDR="192.0.2.1", HTTP_AUTHORIZATION="Bearer s3cret")
+    assert ok.status_code == 200
+
+
 def test_it_still_serves_the_counters_when_the_database_cannot_be_read(client, monkeypatch):
     def broken(self):
         raise DatabaseError("server closed the connection")

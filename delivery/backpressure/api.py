@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
-from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from delivery.backpressure import store
 from delivery.backpressure.config import BackPressureConfig
+from queues.permissions import IsViewer
 
 
 class BackPressureView(APIView):
     """Each ingress node's back-pressure resources: reading, level, thresholds,
     history, and the action in force (tarpit delay or refusal)."""
 
-    permission_classes = [IsAuthenticated]
+    permission_classes = [IsViewer]  # like every other read of the API
 
     @extend_schema(responses={200: OpenApiTypes.OBJECT}, operation_id="backpressure_list")
     def get(self, request: Request) -> Response:

@@ -3,16 +3,14 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
+from queues.login import ThrottledLoginView
 from queues.ui import views
 
 app_name = "ui"
 
 urlpatterns = [
-    path(
-        "accounts/login/",
-        auth_views.LoginView.as_view(redirect_authenticated_user=True),
-        name="login",
-    ),
+    # Through the login throttle (queues/throttle.py).
+    path("accounts/login/", ThrottledLoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(next_page="ui:login"), name="logout"),
     path("", views.home, name="home"),
     path("queues/", views.queue_list, name="queues"),

@@ -26,6 +26,8 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
+from mailrelay.secret_key import ensure_key_file
+
 
 class Command(BaseCommand):
     help = (
@@ -38,6 +40,13 @@ class Command(BaseCommand):
 
     def handle(self, *args, no_setup: bool = False, **options) -> None:
         Path(settings.DATA_DIR).mkdir(parents=True, exist_ok=True)
+        if settings.MAILRELAY_SECRET_KEY_MISSING:
+            # No DJANGO_SECRET_KEY: a local one, generated once and kept under
+            # the data folder (every child reads it from there), as for the
+            # admin password. Production sets DJANGO_SECRET_KEY (README).
+            path, created = ensure_key_file(Path(settings.DATA_DIR))
+            if created:
+                self.stdout.write(f"secret key: generated and kept in {path}")
         if not settings.DATABASE_URL:
             for folder in ("processed", "control"):
                 (Path(settings.DATA_DIR) / "broker" / folder).mkdir(parents=True, exist_ok=True)
@@ -80,7 +89,10 @@ class Command(BaseCommand):
         self.stdout.write(f"database: {db}; broker: {broker}")
         for addr in settings.MAILRELAY_SMTP_LISTEN:
             self.stdout.write(f"smtp:  listening on {addr}")
-        self.stdout.write(f"web:   http://{settings.MAILRELAY_WEB_LISTEN}/admin/")
+        web = f"http://{settings.MAILRELAY_WEB_LISTEN}"
+        self.stdout.write(f"Queue Viewer: {web}/  (log in as admin)")
+        self.stdout.write(f"API docs:     {web}/api/docs/")
+        self.stdout.write(f"admin:        {web}/admin/")
         self.stdout.write("Ctrl-C stops everything.")
 
     def _commands(self) -> dict[str, list[str]]:
