@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, transaction
-from django.db.models import F
 
 from delivery import bell, retry
 from delivery.ownership import Claim, while_connected
@@ -121,7 +120,7 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
                 [hop.as_json() for hop in route.hosts],
                 now,
             )
-            rows.update(queue=queue, state=RecipientState.QUEUED, next_attempt_at=now)
+            rows.place(queue.pk, now)
             if not queue.suspended and queue.link_id:
                 links.add(queue.link_id)
             continue
@@ -131,27 +130,20 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
         code = 550 if error.permanent else 451
         if error.permanent:
             failed_ids.extend(rid for rid, _ in pairs)
-            rows.update(
-                queue=special(DeliveryType.DEAD_LETTER),
-                state=RecipientState.FAILED,
-                final_at=now,
-                last_attempt_at=now,
-                last_code=None,
-                last_enhanced=error.enhanced,
-                last_text=error.text,
-                attempt_count=F("attempt_count") + 1,
+            rows.fail(
+                now,
+                enhanced=error.enhanced,
+                text=error.text,
+                queue_id=special(DeliveryType.DEAD_LETTER).pk,
+                attempted=True,
             )
         else:
-            unreachable = special(DeliveryType.UNREACHABLE)
-            rows.update(
-                queue=unreachable,
-                state=RecipientState.DEFERRED,
-                next_attempt_at=retry.categorizer_retry_at(now),
-                first_failure_at=now,
-                last_attempt_at=now,
-                last_enhanced=error.enhanced,
-                last_text=error.text,
-                attempt_count=F("attempt_count") + 1,
+            rows.park_unreachable(
+                special(DeliveryType.UNREACHABLE).pk,
+                now,
+                retry.categorizer_retry_at(now),
+                enhanced=error.enhanced,
+                text=error.text,
             )
         for rid, mid in pairs:
             failed.append(

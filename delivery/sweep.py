@@ -147,19 +147,14 @@ def _expire(report: SweepReport) -> None:
         if not rows:
             return
         dead_letter = special_queue(DeliveryType.DEAD_LETTER, now)
+        reason = (
+            "message expired: not delivered within "
+            f"{settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT} of arrival"
+        )
+        Recipient.objects.expire(rows, now, dead_letter.pk, reason)
         by_message: dict[int, list[Recipient]] = defaultdict(list)
         for r in rows:
-            r.state, r.final_at, r.queue_id = RecipientState.EXPIRED, now, dead_letter.pk
-            r.last_enhanced = "4.4.7"
-            r.last_text = (
-                "message expired: not delivered within "
-                f"{settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT} of arrival"
-                + (f"; last error: {r.last_text}" if r.last_text else "")
-            )
             by_message[r.message_id].append(r)
-        Recipient.objects.bulk_update(
-            rows, ["state", "final_at", "queue_id", "last_enhanced", "last_text"]
-        )
         counters.count_expired(len(rows))
         # Without bodies: notify reads the one original it quotes, when it quotes it.
         for message in Message.objects.filter(id__in=list(by_message)).defer("data").iterator():

@@ -25,7 +25,7 @@ transaction); none loads message bodies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 
 from django.db import models, transaction
@@ -214,12 +214,85 @@ class RecipientQuerySet(models.QuerySet):
                 )
         return ids
 
+    # --- the categorizer's placements ----------------------------------------------
+
+    def place(self, queue_id: int, now: datetime) -> int:
+        """Submitted recipients routed: waiting in their delivery queue, due now
+        (rows an expiry or an operator finished meanwhile are left alone)."""
+        return self.filter(state=RecipientState.SUBMITTED).update(
+            queue_id=queue_id, state=RecipientState.QUEUED, next_attempt_at=now
+        )
+
+    def park_unreachable(
+        self, queue_id: int, now: datetime, retry_at: datetime, *, enhanced: str, text: str
+    ) -> int:
+        """Submitted recipients with no route for now: in Unreachable until ``retry_at``."""
+        return self.filter(state=RecipientState.SUBMITTED).update(
+            queue_id=queue_id,
+            state=RecipientState.DEFERRED,
+            next_attempt_at=retry_at,
+            first_failure_at=now,
+            last_attempt_at=now,
+            last_enhanced=enhanced,
+            last_text=text,
+            attempt_count=F("attempt_count") + 1,
+        )
+
+    def fail(
+        self,
+        now: datetime,
+        *,
+        enhanced: str,
+        text: str,
+        queue_id: int | None = None,
+        attempted: bool = False,
+    ) -> int:
+        """Recipients failed for good (a permanent routing failure, an operator's
+        removal): final, moved to ``queue_id`` (the Dead-letter queue) when given;
+        ``attempted`` counts it as an attempt."""
+        changes: dict = {
+            "state": RecipientState.FAILED,
+            "final_at": now,
+            "lease_owner": "",
+            "lease_until": None,
+            "last_code": None,
+            "last_enhanced": enhanced,
+            "last_text": text,
+        }
+        if queue_id is not None:
+            changes["queue_id"] = queue_id
+        if attempted:
+            changes["last_attempt_at"] = now
+            changes["attempt_count"] = F("attempt_count") + 1
+        return self.update(**changes)
+
+    def expire(self, rows: list, now: datetime, queue_id: int, reason: str) -> None:
+        """Recipients past their message's expiry: EXPIRED in the Dead-letter queue,
+        ``reason`` before their last error. ``rows`` are loaded (their NDR quotes
+        them) and updated in place."""
+        for r in rows:
+            r.state, r.final_at, r.queue_id = RecipientState.EXPIRED, now, queue_id
+            r.last_enhanced = "4.4.7"
+            r.last_text = reason + (f"; last error: {r.last_text}" if r.last_text else "")
+        self.bulk_update(rows, ["state", "final_at", "queue_id", "last_enhanced", "last_text"])
+
+    # --- delivery -------------------------------------------------------------------
+
     def owned_by(self, owner: str) -> RecipientQuerySet:
         """Recipients a delivery round still holds (its claim not taken back)."""
         return self.filter(state=RecipientState.ACTIVE, lease_owner=owner)
 
     def renew(self, owner: str, until: datetime) -> int:
         return self.owned_by(owner).update(lease_until=until)
+
+    def record(self, rows: Iterable, fields: Sequence[str]) -> None:
+        """A round's results: each row's new state (delivered, deferred with its
+        next try, failed), its attempt count and last reply, its claim cleared;
+        one UPDATE … FROM VALUES for the round. Callers lock the rows first and
+        pass only those the round still owns."""
+        from queues.bulk import bulk_update_rows
+
+        bulk_update_rows(list(rows), list(fields))
 
     def release(self, now: datetime) -> int:
         """Claimed rows a round never tried (it stopped early): waiting again, due now."""

@@ -302,13 +302,8 @@ def _remove(
         )
         if not rows:
             continue
-        Recipient.objects.filter(id__in=[rid for _, rid in rows]).update(
-            state=RecipientState.FAILED,
-            final_at=now,
-            lease_until=None,
-            last_code=None,
-            last_enhanced=REMOVED_ENHANCED,
-            last_text=f"removed by {actor_name(actor)}",
+        Recipient.objects.filter(id__in=[rid for _, rid in rows]).fail(
+            now, enhanced=REMOVED_ENHANCED, text=f"removed by {actor_name(actor)}"
         )
         for mid, rid in rows:
             removed.setdefault(mid, []).append(rid)
@@ -616,11 +611,27 @@ def message_remove(message: Message, actor: Actor, via: str, ndr: bool = False) 
     )
 
 
+EXPORT_FORMS = ("received", "sent")
+
+
+def _check_form(form: str) -> None:
+    if form not in EXPORT_FORMS:
+        raise ValueError(f"unknown export form {form!r} (received or sent)")
+
+
 def message_export_pieces(
-    message: Message, fmt: str = "eml", actor: Actor | None = None, via: str | None = None
+    message: Message,
+    fmt: str = "eml",
+    actor: Actor | None = None,
+    via: str | None = None,
+    form: str = "received",
 ) -> Iterator[bytes]:
     """The message exactly as stored (the received bytes behind our Received
     header), as an iterator of pieces read from the database as it is consumed.
+
+    ``form="sent"`` is what leaves for the next hop: the header fields added
+    for sending (``Message.signature``, a DKIM-Signature) before the stored
+    bytes; ``"received"`` (the default) leaves them out.
 
     ``fmt="replay"`` puts Exchange's replay envelope first (X-Sender, one
     X-Receiver per recipient still to deliver), so the file can be dropped in
@@ -632,6 +643,7 @@ def message_export_pieces(
     """
     if fmt not in ("eml", "replay"):
         raise ValueError(f"unknown export format {fmt!r} (eml or replay)")
+    _check_form(form)
     head: tuple[bytes, ...] = ()
     if fmt == "replay":
         pending = message.recipients.exclude(state__in=FINAL_RECIPIENT_STATES).order_by("id")
@@ -639,23 +651,32 @@ def message_export_pieces(
             head = (replay_envelope(message, pending),)
         except ValueError as exc:
             raise ActionConflict(f"message {message.qid}: {exc}") from None
+    if form == "sent" and message.signature:
+        head += (bytes(message.signature),)
     if actor is not None:
         _audit(actor, via or Via.API, "message_export", "message", ids=[message.pk], count=1)
     return itertools.chain(head, bodies.body_pieces(message.pk, EXPORT_PIECE))
 
 
-def message_export_size(message: Message, fmt: str = "eml") -> int | None:
+def message_export_size(message: Message, fmt: str = "eml", form: str = "received") -> int | None:
     """How many octets ``message_export_pieces`` yields for an eml export (for a
     Content-Length), without reading the body; None for replay or when gone."""
-    return bodies.body_size(message.pk) if fmt == "eml" else None
+    _check_form(form)
+    if fmt != "eml" or (size := bodies.body_size(message.pk)) is None:
+        return None
+    return size + (len(message.signature) if form == "sent" else 0)
 
 
 def message_export(
-    message: Message, fmt: str = "eml", actor: Actor | None = None, via: str | None = None
+    message: Message,
+    fmt: str = "eml",
+    actor: Actor | None = None,
+    via: str | None = None,
+    form: str = "received",
 ) -> bytes:
     """``message_export_pieces`` joined: the whole export in memory (the CLI's
     file or standard output; the web exports stream the pieces instead)."""
-    return b"".join(message_export_pieces(message, fmt, actor, via))
+    return b"".join(message_export_pieces(message, fmt, actor, via, form))
 
 
 def _zip_write(entry: IO[bytes], data: bytes) -> None:
