@@ -362,6 +362,13 @@ MESSAGE_FILTERS: tuple[FilterParam, ...] = (
     ),
     FilterParam("qid", "text", "queue id, exactly", label="Queue id"),
     FilterParam(
+        "account",
+        "text",
+        "the SMTP account (AUTH username) that sent it, exactly",
+        label="SMTP account",
+        hint="AUTH username",
+    ),
+    FilterParam(
         "status",
         "choices",
         "any of (comma list): " + ", ".join(MessageStatus.values),
@@ -428,6 +435,7 @@ class MessageFilter:
     error: str = ""  # substring of a deferred/failed recipient's last reply
     error_group: str = ""  # a normalised error (error_normalize), per "deferrals by error"
     source: list[str] = field(default_factory=list)  # MessageSource values (any of)
+    account: str = ""  # the SmtpAccount username that submitted it (index message_by_account)
     # The raw parameters, as given (kept for the audit log and for links).
     params: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -506,6 +514,8 @@ class MessageFilter:
             qs = qs.filter(Exists(errors))
         if self.source:
             qs = qs.filter(source__in=self.source)
+        if self.account:
+            qs = qs.filter(auth_account=self.account.strip())
         return qs
 
 

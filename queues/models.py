@@ -183,6 +183,11 @@ class Message(models.Model):
     def __str__(self) -> str:
         return self.qid
 
+    @property
+    def signed(self) -> bool:
+        """Whether a DKIM-Signature goes out with it (queues.dkim)."""
+        return bool(self.signature)
+
 
 class Recipient(models.Model):
     message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="recipients")

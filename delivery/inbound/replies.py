@@ -65,6 +65,27 @@ TOO_MANY_JUNK_COMMANDS = "421 4.7.0 Too many commands without a message, closing
 DATA_TOO_SLOW = "421 4.4.2 Data timeout or rate too low, closing transmission channel"
 EXPN_DISABLED = "502 5.5.1 EXPN not available"
 
+# --- submission and AUTH (RFC 4954, RFC 3207, RFC 6409, RFC 8314)
+STARTTLS_FIRST = "530 5.7.0 Must issue a STARTTLS command first"
+AUTH_REQUIRED = "530 5.7.0 Authentication required"
+AUTH_OK = "235 2.7.0 Authentication successful"
+AUTH_FAILED = "535 5.7.8 Authentication credentials invalid"
+AUTH_NEEDS_TLS = "538 5.7.11 Encryption required for requested authentication mechanism"
+AUTH_LOCKED_OUT = "421 4.7.0 Too many authentication failures from your address, try again later"
+AUTH_UNAVAILABLE = "454 4.7.0 Temporary authentication failure, try again later"
+AUTH_SYNTAX = "501 5.5.4 Syntax: AUTH mechanism [initial-response]"
+AUTH_MECHANISM = "504 5.5.4 Unrecognized authentication type (PLAIN and LOGIN are offered)"
+AUTH_ALREADY = "503 5.5.1 Error: already authenticated"
+AUTH_NEEDS_EHLO = "503 5.5.1 Error: send EHLO first"
+AUTH_IN_TRANSACTION = "503 5.5.1 Error: AUTH not permitted during a mail transaction"
+AUTH_ABORTED = "501 5.7.0 Authentication aborted"
+AUTH_BAD_BASE64 = "501 5.5.2 Cannot decode base64"
+AUTH_BAD_PLAIN = "501 5.5.2 Cannot split the PLAIN response (authzid NUL authcid NUL passwd)"
+SENDER_NOT_ALLOWED = "553 5.7.1 <{address}>: Sender address not allowed for account {username}"
+ACCOUNT_RATE_LIMITED = (
+    "451 4.7.1 Account {username} has sent its {limit} messages this hour, try again later"
+)
+
 # aiosmtpd's own replies whose class default is not the best code
 _BUILTIN = {
     "502 EXPN not implemented": EXPN_DISABLED,

@@ -21,18 +21,31 @@ client (``InboundServer.admit``; 421 and close, the listener goes on), a
 session's lifetime, a budget of commands that move no message, and a DATA
 deadline that grows with the bytes received (``DataDeadline``). A message's
 data is held once, in a bytearray, while it is read and stored.
+
+Submission (issue #11): besides the relay listeners (``smtp``), a server may
+listen for ``submission`` (587: STARTTLS required before AUTH and MAIL, and
+AUTH before MAIL) and ``submissions`` (465: implicit TLS, RFC 8314). AUTH
+PLAIN and LOGIN are offered inside TLS on every listener; the password check
+(``queues.services.accounts``) runs in the database threads. An
+authenticated client relays to any domain from the senders its account
+allows, and back pressure treats it as trusted. Certificates are re-read when
+their files change (``TlsCertificate``), checked on each new connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import ipaddress
 import logging
+import os
 import re
 import resource
 import ssl
-from collections import Counter, defaultdict
+import time
+from collections import Counter, defaultdict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,6 +63,7 @@ from delivery.inbound.doorbell import CoalescedBell
 from queues import counters
 from queues.headers import header_end
 from queues.models import MessageSource
+from queues.services import accounts
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
 if TYPE_CHECKING:
@@ -65,6 +79,13 @@ COMMAND_LINE_LIMIT = 512  # RFC 5321 4.5.3.1.4
 PARAMETER_LINE_LIMIT = 1000
 # A database thread reconnects after storing a message this large (see _store).
 RELEASE_CONNECTION_ABOVE = 8 * 1024 * 1024
+
+# Listener kinds: the relay port, submission with STARTTLS (587), implicit TLS (465).
+SMTP_LISTENER = "smtp"
+SUBMISSION = "submission"
+SUBMISSIONS = "submissions"
+AUTH_FAILURE_WINDOW = 15 * 60.0  # seconds: failures counted per client address
+AUTH_MECHANISMS = ("PLAIN", "LOGIN")
 
 _RECEIVED = re.compile(rb"^received[ \t]*:", re.IGNORECASE | re.MULTILINE)
 
@@ -82,13 +103,15 @@ class InboundConfig:
     max_message_size: int
     max_recipients: int
     timeout: float
-    tls_context: ssl.SSLContext | None = None
+    # The certificate for STARTTLS and implicit TLS, re-read when its files change.
+    tls: TlsCertificate | None = None
     # Limits (issue #9; Postfix's anvil and smtpd_* limits are the reference). 0 = no limit.
     max_connections: int = 1000
     max_connections_per_client: int = 50  # relay networks are exempt
     max_session_time: float = 3600.0
     junk_command_limit: int = 100
     min_data_rate: int = 500  # bytes/second during DATA
+    max_auth_failures: int = 5  # per client address within AUTH_FAILURE_WINDOW; 0 = no limit
 
     @classmethod
     def from_settings(cls) -> InboundConfig:
@@ -101,19 +124,18 @@ class InboundConfig:
             max_message_size=settings.MAILRELAY_MAX_MESSAGE_SIZE,
             max_recipients=settings.MAILRELAY_MAX_RECIPIENTS,
             timeout=settings.MAILRELAY_SMTP_SERVER_TIMEOUT.total_seconds(),
-            tls_context=tls_context(
-                settings.MAILRELAY_TLS_CERT_FILE, settings.MAILRELAY_TLS_KEY_FILE
-            ),
+            tls=tls_certificate(settings.MAILRELAY_TLS_CERT_FILE, settings.MAILRELAY_TLS_KEY_FILE),
             max_connections=settings.MAILRELAY_SMTP_MAX_CONNECTIONS,
             max_connections_per_client=settings.MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT,
             max_session_time=settings.MAILRELAY_SMTP_MAX_SESSION_TIME.total_seconds(),
             junk_command_limit=settings.MAILRELAY_SMTP_JUNK_COMMAND_LIMIT,
             min_data_rate=settings.MAILRELAY_SMTP_MIN_DATA_RATE,
+            max_auth_failures=settings.MAILRELAY_AUTH_MAX_FAILURES,
         )
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext | None:
-    """The STARTTLS context, or None when no certificate is configured."""
+    """A server context for these files, or None when no certificate is configured."""
     if not cert_file and not key_file:
         return None
     if not (cert_file and key_file):
@@ -124,6 +146,113 @@ def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext | None:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(cert_file, key_file)
     return context
+
+
+def tls_certificate(cert_file: str, key_file: str) -> TlsCertificate | None:
+    """The server's certificate, or None when none is configured (no STARTTLS, no AUTH)."""
+    if not cert_file and not key_file:
+        return None
+    return TlsCertificate(cert_file, key_file)
+
+
+class TlsCertificate:
+    """The certificate and key files, re-read when they change (renewals need no restart).
+
+    ``current()`` runs once per new connection: two ``stat`` calls, and a new
+    SSLContext only when a file's mtime, size or inode changed. A renewal
+    caught half-written (the key not matching the certificate yet) keeps the
+    previous context until the files load together.
+    """
+
+    def __init__(self, cert_file: str, key_file: str) -> None:
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.loads = 0  # contexts built: 1 at start, +1 per renewal picked up
+        self._stamp: tuple[tuple[int, int, int], ...] | None = None
+        self._failed_stamp: tuple[tuple[int, int, int], ...] | None = None
+        context = tls_context(cert_file, key_file)  # fails at start on bad files
+        assert context is not None
+        self._context = context
+        self._stamp = self._stat()
+        self.loads = 1
+
+    def _stat(self) -> tuple[tuple[int, int, int], ...]:
+        stats = (os.stat(self.cert_file), os.stat(self.key_file))
+        return tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in stats)
+
+    def current(self) -> ssl.SSLContext:
+        """The context for a new connection, rebuilt if the files changed since."""
+        try:
+            stamp = self._stat()
+        except OSError as exc:
+            log.warning("TLS certificate files: %s; keeping the loaded certificate", exc)
+            return self._context
+        if stamp == self._stamp or stamp == self._failed_stamp:
+            return self._context
+        try:
+            context = tls_context(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            self._failed_stamp = stamp  # not retried until the files change again
+            log.warning("TLS certificate files changed but do not load (%s); keeping the old", exc)
+            return self._context
+        assert context is not None
+        self._context, self._stamp, self.loads = context, stamp, self.loads + 1
+        log.info("TLS certificate re-read from %s", self.cert_file)
+        return context
+
+    def listener_context(self) -> ssl.SSLContext:
+        """The context of an implicit-TLS listener (asyncio fixes it at listen time).
+
+        Its SNI callback, which OpenSSL calls on every ClientHello (with None
+        when the client sends no name), switches the connection to
+        ``current()``: so a renewal is picked up by the next handshake.
+        """
+        context = tls_context(self.cert_file, self.key_file)
+        assert context is not None
+
+        def switch(ssl_object: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
+            ssl_object.context = self.current()
+
+        context.sni_callback = switch  # type: ignore[assignment]
+        return context
+
+
+class AuthFailures:
+    """Failed AUTH per client address (an IPv6 /64) in a sliding window (Postfix's
+    anvil counts the same way); past the limit the address is refused until
+    its oldest counted failure leaves the window. Per process."""
+
+    def __init__(self, limit: int, window: float = AUTH_FAILURE_WINDOW) -> None:
+        self.limit = limit
+        self.window = window
+        self._times: dict[str, deque[float]] = {}
+
+    def _recent(self, key: str, now: float) -> deque[float] | None:
+        times = self._times.get(key)
+        if times is None:
+            return None
+        while times and times[0] <= now - self.window:
+            times.popleft()
+        if not times:
+            del self._times[key]
+            return None
+        return times
+
+    def locked_out(self, key: str, now: float | None = None) -> bool:
+        if self.limit <= 0:
+            return False
+        times = self._recent(key, time.monotonic() if now is None else now)
+        return times is not None and len(times) >= self.limit
+
+    def add(self, key: str, now: float | None = None) -> bool:
+        """Count one failure; True if the address is now refused."""
+        now = time.monotonic() if now is None else now
+        times = self._recent(key, now) or self._times.setdefault(key, deque())
+        times.append(now)
+        # Keep no more than the limit needs: a client hammering costs no memory.
+        while self.limit > 0 and len(times) > self.limit:
+            times.popleft()
+        return self.locked_out(key, now)
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -194,6 +323,18 @@ def _store(envelope: IncomingEnvelope, data: bytes | bytearray) -> str:
     except BaseException:
         # After a failed COMMIT or a lost server the connection is broken or in
         # an unknown state: drop it so the next message on this thread reconnects.
+        try:
+            connection.close()
+        except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+            log.debug("closing the failed database connection failed", exc_info=True)
+        raise
+
+
+def _in_thread(call: Callable[[], object]) -> object:
+    """Runs in a database thread: one call; a failed connection is dropped (as in _store)."""
+    try:
+        return call()
+    except BaseException:
         try:
             connection.close()
         except Exception:  # noqa: BLE001 - closing a broken connection may fail too
@@ -276,11 +417,37 @@ def command_argument(keyword: str, arg: str) -> str | None:
     return None
 
 
-def protocol_keyword(*, extended: bool, tls: bool, utf8: bool) -> str:
-    """The Received "with" keyword (RFC 3848, RFC 6531 3.7.3)."""
+def protocol_keyword(*, extended: bool, tls: bool, utf8: bool, auth: bool = False) -> str:
+    """The Received "with" keyword (RFC 3848: ESMTPS, ESMTPA, ESMTPSA; RFC 6531 3.7.3)."""
     if not extended:
         return "SMTP"
-    return ("UTF8SMTP" if utf8 else "ESMTP") + ("S" if tls else "")
+    return ("UTF8SMTP" if utf8 else "ESMTP") + ("S" if tls else "") + ("A" if auth else "")
+
+
+def decode_base64(text: str) -> bytes | None:
+    """An AUTH response ("=" is the empty one, RFC 4954 4), or None if not base64."""
+    text = text.strip()
+    if text == "=":
+        return b""
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        return None
+
+
+def plain_credentials(response: bytes) -> tuple[str, str] | None:
+    """(username, password) from a PLAIN response (RFC 4616), or None if malformed.
+
+    An authorization identity other than the user's own is refused later (as
+    a wrong password): mailrelay has no proxy authorization.
+    """
+    parts = response.split(b"\x00")
+    if len(parts) != 3:
+        return None
+    authzid, authcid, password = (part.decode("utf-8", "replace") for part in parts)
+    if authzid and authzid != authcid:
+        return authcid, ""  # never matches: no account has an empty password
+    return authcid, password
 
 
 def junk_command(
@@ -300,15 +467,18 @@ def junk_command(
 class InboundSMTP(AiosmtpdSession):
     """One client connection (aiosmtpd's private members only through AiosmtpdSession)."""
 
-    # AUTH is not offered: a relay for trusted networks and accepted domains.
-    smtp_AUTH = None
     # aiosmtpd sizes its stream reader with this. Commands are still held to
     # command_size_limits; message data is read in large blocks (smtp_DATA),
     # so let the reader buffer up to 64 KiB before it pauses the socket.
     line_length_limit = 65536
 
-    def __init__(self, server: InboundServer, handler: RelayHandler) -> None:
+    def __init__(
+        self, server: InboundServer, handler: RelayHandler, kind: str = SMTP_LISTENER
+    ) -> None:
         config = server.config
+        # STARTTLS with the certificate as it is now (a renewal counts from the next
+        # connection); an implicit-TLS connection is encrypted already: no STARTTLS.
+        starttls = config.tls.current() if config.tls and kind != SUBMISSIONS else None
         super().__init__(
             handler,
             data_size_limit=config.max_message_size or None,
@@ -316,7 +486,7 @@ class InboundSMTP(AiosmtpdSession):
             decode_data=False,
             hostname=config.hostname,
             ident="ESMTP mailrelay",
-            tls_context=config.tls_context,
+            tls_context=starttls,
             timeout=config.timeout,
             loop=server.loop,
         )
@@ -329,6 +499,9 @@ class InboundSMTP(AiosmtpdSession):
         )
         self.client_ip: policy.IPAddress | None = None
         self.trusted = False
+        self.kind = kind
+        self.implicit_tls = False  # a submissions (465) connection: TLS from the start
+        self.grant: accounts.Grant | None = None  # the account after a successful AUTH
         self._greeted = False
         self.storing = False  # a message is being committed; its reply is not sent yet
         self._close_after_reply: str | None = None  # the 421 to send once that reply is out
@@ -346,8 +519,10 @@ class InboundSMTP(AiosmtpdSession):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         starttls = self.starttls_begun  # the TLS layer's connection_made: same client
         super().connection_made(transport)
+        self.grant = None  # RFC 3207 4.2: STARTTLS forgets what came before
         if not starttls:
             assert self.session is not None
+            self.implicit_tls = transport.get_extra_info("ssl_object") is not None
             peer = self.session.peer
             self.client_ip = policy.client_ip(peer[0] if isinstance(peer, tuple) else None)
             self.trusted = policy.is_trusted(self.client_ip, self.config.relay_networks)
@@ -366,6 +541,16 @@ class InboundSMTP(AiosmtpdSession):
     def serves_client(self) -> bool:
         # Over a limit, the 421 is sent and the connection closing: no greeting.
         return not self.refused
+
+    @property
+    def tls_active(self) -> bool:
+        """Is the session encrypted (after STARTTLS, or on an implicit-TLS listener)?"""
+        return self.implicit_tls or (self.session is not None and self.session.ssl is not None)
+
+    @property
+    def may_relay(self) -> bool:
+        """Relay to any domain: a relay network, or an authenticated account."""
+        return self.trusted or self.grant is not None
 
     def connection_lost(self, error: Exception | None) -> None:
         if self._session_timer is not None:
@@ -467,8 +652,10 @@ class InboundSMTP(AiosmtpdSession):
             "ENHANCEDSTATUSCODES",
             "DSN",
         ]
-        if self.tls_context and self.session.ssl is None:  # not offered again inside TLS
+        if self.tls_context and not self.tls_active:  # not offered again inside TLS
             lines.append("STARTTLS")
+        if self.tls_active:  # never advertised in cleartext (RFC 4954 4; RFC 8314)
+            lines.append("AUTH " + " ".join(AUTH_MECHANISMS))
         await self._push_lines([f"250-{line}" for line in lines[:-1]] + [f"250 {lines[-1]}"])
 
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
@@ -481,6 +668,12 @@ class InboundSMTP(AiosmtpdSession):
         if envelope.started:
             await self.push(replies.NESTED_MAIL)
             return
+        if self.kind == SUBMISSION and not self.tls_active:
+            await self.push(replies.STARTTLS_FIRST)
+            return
+        if self.kind != SMTP_LISTENER and self.grant is None:
+            await self.push(replies.AUTH_REQUIRED)  # RFC 6409 4.1: submission needs AUTH
+            return
         rest = command_argument("FROM:", arg or "")
         if rest is None:
             await self.push(replies.MAIL_SYNTAX)
@@ -492,9 +685,14 @@ class InboundSMTP(AiosmtpdSession):
         except policy.Refused as refused:
             await self.push(refused.reply)
             return
+        if self.grant is not None:
+            refusal = await self._account_refusal(self.grant, sender.address if sender else "")
+            if refusal is not None:
+                await self.push(refusal)
+                return
         monitor = self.server.monitor
         if monitor is not None:
-            decision = monitor.mail_from_decision(self.trusted)
+            decision = monitor.mail_from_decision(self.may_relay)
             if decision.refuse_reply is not None:
                 log.debug("back pressure: refused MAIL FROM of %s", self.client_ip)
                 await self.push(decision.refuse_reply)
@@ -532,7 +730,7 @@ class InboundSMTP(AiosmtpdSession):
             await self.push(refused.reply)
             return
         refusal = policy.recipient_refusal(
-            recipient, trusted=self.trusted, accepted_domains=self.config.accepted_domains
+            recipient, trusted=self.may_relay, accepted_domains=self.config.accepted_domains
         )
         if refusal is not None:
             log.info("refused <%s> from %s: %s", recipient.address, self.client_ip, refusal)
@@ -653,6 +851,140 @@ class InboundSMTP(AiosmtpdSession):
         log.info("%s: DATA too slow or idle; closing", self.client_ip)
         self._goodbye(replies.DATA_TOO_SLOW)
 
+    async def _account_refusal(self, grant: accounts.Grant, address: str) -> str | None:
+        """The reply refusing an authenticated MAIL FROM, or None: its sender, its rate."""
+        if not grant.may_send_as(address):
+            log.info("%s: account %s may not send as <%s>", self.client_ip, grant.username, address)
+            return replies.SENDER_NOT_ALLOWED.format(address=address, username=grant.username)
+        if grant.max_messages_per_hour:
+            try:
+                limited = await self.server.in_database(accounts.rate_limited, grant)
+            except Exception:
+                log.exception("could not check the rate of account %s", grant.username)
+                return replies.INTERNAL_ERROR
+            if limited:
+                log.info("%s: account %s over its rate", self.client_ip, grant.username)
+                return replies.ACCOUNT_RATE_LIMITED.format(
+                    username=grant.username, limit=grant.max_messages_per_hour
+                )
+        return None
+
+    # --- AUTH (RFC 4954; PLAIN RFC 4616, LOGIN)
+
+    @syntax("AUTH <mechanism> [initial-response]")
+    async def smtp_AUTH(self, arg: str | None) -> None:
+        if await self.check_helo_needed("EHLO"):
+            return
+        assert self.session is not None
+        refusal = self._auth_refusal()
+        if refusal is not None:
+            if refusal == replies.AUTH_LOCKED_OUT:
+                self._goodbye(refusal)
+            else:
+                await self.push(refusal)
+            return
+        words = (arg or "").split()
+        if not 1 <= len(words) <= 2:
+            await self.push(replies.AUTH_SYNTAX)
+            return
+        mechanism = words[0].upper()
+        if mechanism not in AUTH_MECHANISMS:
+            await self.push(replies.AUTH_MECHANISM)
+            return
+        initial = words[1] if len(words) == 2 else None
+        if mechanism == "PLAIN":
+            credentials = await self._plain(initial)
+        else:
+            credentials = await self._login(initial)
+        if credentials is None:
+            return  # the reply (501) was sent
+        await self._check_credentials(mechanism, *credentials)
+
+    def _auth_refusal(self) -> str | None:
+        assert self.session is not None
+        if not self.session.extended_smtp:
+            return replies.AUTH_NEEDS_EHLO
+        if not self.tls_active:
+            return replies.AUTH_NEEDS_TLS
+        if self.server.auth_failures.locked_out(client_key(self.client_ip)):
+            return replies.AUTH_LOCKED_OUT
+        if self.grant is not None:
+            return replies.AUTH_ALREADY
+        envelope = self.envelope
+        if isinstance(envelope, RelayEnvelope) and envelope.started:
+            return replies.AUTH_IN_TRANSACTION
+        return None
+
+    async def _challenge(self, prompt: bytes) -> bytes | None:
+        """Send a 334 challenge and read the client's base64 answer; None (and 501) if
+        it aborts with "*" or is not base64. The answer is never logged."""
+        await self.push("334 " + base64.b64encode(prompt).decode("ascii"))
+        line = await self.reader.readline()
+        if not line.endswith(b"\n"):
+            raise asyncio.CancelledError()  # the client went away mid-AUTH
+        self.restart_idle_timer()
+        answer = line.strip()
+        if answer == b"*":
+            await self.push(replies.AUTH_ABORTED)
+            return None
+        decoded = decode_base64(answer.decode("ascii", "replace"))
+        if decoded is None:
+            await self.push(replies.AUTH_BAD_BASE64)
+        return decoded
+
+    async def _plain(self, initial: str | None) -> tuple[str, str] | None:
+        if initial is None:
+            response = await self._challenge(b"")
+        else:
+            response = decode_base64(initial)
+            if response is None:
+                await self.push(replies.AUTH_BAD_BASE64)
+        if response is None:
+            return None
+        credentials = plain_credentials(response)
+        if credentials is None:
+            await self.push(replies.AUTH_BAD_PLAIN)
+        return credentials
+
+    async def _login(self, initial: str | None) -> tuple[str, str] | None:
+        if initial is None:
+            username = await self._challenge(b"Username:")
+        else:
+            username = decode_base64(initial)
+            if username is None:
+                await self.push(replies.AUTH_BAD_BASE64)
+        if username is None:
+            return None
+        password = await self._challenge(b"Password:")
+        if password is None:
+            return None
+        return username.decode("utf-8", "replace"), password.decode("utf-8", "replace")
+
+    async def _check_credentials(self, mechanism: str, username: str, password: str) -> None:
+        """The hash check in a database thread (it costs milliseconds), then 235 or 535."""
+        try:
+            grant = await self.server.in_database(accounts.authenticate, username, password)
+        except Exception:
+            log.exception("%s: AUTH could not be checked", self.client_ip)
+            await self.push(replies.AUTH_UNAVAILABLE)
+            return
+        del password
+        if grant is not None:
+            self.grant = grant
+            log.info("%s: authenticated as %s (%s)", self.client_ip, username, mechanism)
+            await self.push(replies.AUTH_OK)
+            return
+        locked = self.server.auth_failures.add(client_key(self.client_ip))
+        log.warning("%s: AUTH %s failed for %r", self.client_ip, mechanism, username[:150])
+        client = str(self.client_ip) if self.client_ip else None
+        try:
+            await self.server.in_database(
+                accounts.record_auth_failure, client, username, mechanism, locked_out=locked
+            )
+        except Exception:  # noqa: BLE001 - the reply matters more than the event
+            log.warning("could not record an AUTH failure event", exc_info=True)
+        await self.push(replies.AUTH_FAILED)
+
     @junk_command
     @syntax("VRFY <address>")
     async def smtp_VRFY(self, arg: str | None) -> None:
@@ -689,10 +1021,12 @@ class RelayHandler:
                 client_name="",  # no reverse DNS on the hot path
                 protocol=protocol_keyword(
                     extended=session.extended_smtp,
-                    tls=session.ssl is not None,
+                    tls=smtp.tls_active,
                     utf8=params.smtputf8,
+                    auth=smtp.grant is not None,
                 ),
                 source=MessageSource.SMTP,
+                auth_account=smtp.grant.username if smtp.grant is not None else "",
             )
         except Exception:
             log.exception("could not prepare a message from %s", smtp.client_ip)
@@ -738,6 +1072,8 @@ class InboundServer:
         self.sessions: set[InboundSMTP] = set()
         self.per_client: Counter[str] = Counter()  # open sessions per client_key
         self.addresses: list[tuple[str, int]] = []
+        self.bound: dict[str, list[tuple[str, int]]] = {}  # listener kind → its addresses
+        self.auth_failures = AuthFailures(config.max_auth_failures)
         self._listeners: list[asyncio.Server] = []
         self._stores: set[asyncio.Future] = set()
         self._stopping = False
@@ -746,8 +1082,23 @@ class InboundServer:
         self._executor: DatabaseExecutor | None = None
         self._bell: CoalescedBell | None = None
 
-    async def start(self, addresses: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-        """Listen on every (host, port); returns the bound addresses (port 0 → real port)."""
+    async def start(
+        self,
+        addresses: Sequence[tuple[str, int]],
+        *,
+        submission: Sequence[tuple[str, int]] = (),
+        submissions: Sequence[tuple[str, int]] = (),
+    ) -> list[tuple[str, int]]:
+        """Listen on every (host, port); returns the bound addresses (port 0 → real port).
+
+        ``addresses`` are relay listeners (port 25), ``submission`` STARTTLS-then-AUTH
+        listeners (587), ``submissions`` implicit-TLS listeners (465); ``self.bound``
+        has each kind's bound addresses.
+        """
+        if (submission or submissions) and self.config.tls is None:
+            raise ImproperlyConfigured(
+                "submission listeners need MAILRELAY_TLS_CERT_FILE and MAILRELAY_TLS_KEY_FILE"
+            )
         self.loop = asyncio.get_running_loop()
         self._executor = DatabaseExecutor(self.db_threads)
         self._bell = CoalescedBell(self.loop, self._executor)
@@ -755,22 +1106,41 @@ class InboundServer:
         try:
             if self.monitor is not None:
                 await self.monitor.start()  # judged from the first session on
-            for host, port in addresses:
-                listener = await self.loop.create_server(
-                    lambda: InboundSMTP(self, handler),
-                    host=host or None,
-                    port=port,
-                    reuse_address=True,
-                    backlog=512,
-                )
-                self._listeners.append(listener)
-                for sock in listener.sockets:
-                    bound = sock.getsockname()
-                    self.addresses.append((bound[0], bound[1]))
+            kinds = (
+                (SMTP_LISTENER, addresses),
+                (SUBMISSION, submission),
+                (SUBMISSIONS, submissions),
+            )
+            for kind, listen in kinds:
+                for host, port in listen:
+                    await self._listen(handler, kind, host, port)
         except BaseException:
             await self.stop()
             raise
         return list(self.addresses)
+
+    async def _listen(self, handler: RelayHandler, kind: str, host: str, port: int) -> None:
+        assert self.loop is not None
+        tls = self.config.tls
+        listener = await self.loop.create_server(
+            functools.partial(InboundSMTP, self, handler, kind),
+            host=host or None,
+            port=port,
+            reuse_address=True,
+            backlog=512,
+            ssl=tls.listener_context() if kind == SUBMISSIONS and tls is not None else None,
+        )
+        self._listeners.append(listener)
+        for sock in listener.sockets:
+            bound = sock.getsockname()
+            self.addresses.append((bound[0], bound[1]))
+            self.bound.setdefault(kind, []).append((bound[0], bound[1]))
+
+    async def in_database(self, function: Callable[..., object], *args, **kwargs) -> object:
+        """Run a synchronous ORM call in a database thread (never on the event loop)."""
+        assert self.loop is not None and self._executor is not None
+        call = functools.partial(function, *args, **kwargs)
+        return await self.loop.run_in_executor(self._executor, _in_thread, call)
 
     async def store(self, envelope: IncomingEnvelope, data: bytes) -> str:
         """Commit a message in a database thread; ring the categorizer after the commit.
@@ -802,6 +1172,11 @@ class InboundServer:
         if config.max_connections and len(self.sessions) >= config.max_connections:
             log.warning("refused %s: %d connections open", session.client_ip, len(self.sessions))
             return replies.TOO_MANY_CONNECTIONS
+        if session.kind != SMTP_LISTENER and self.auth_failures.locked_out(
+            client_key(session.client_ip)
+        ):
+            log.warning("refused %s: too many AUTH failures", session.client_ip)
+            return replies.AUTH_LOCKED_OUT
         if not session.trusted:
             key = client_key(session.client_ip)
             limit = config.max_connections_per_client

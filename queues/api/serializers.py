@@ -269,6 +269,8 @@ class MessageDetailSerializer(MessageListSerializer):
             "size": message.declared_size,
             "client_address": message.client_address,
             "client_helo": message.client_helo,
+            "auth_account": message.auth_account,  # the SMTP account that submitted it
+            "dkim_signed": message.signed,
         }
 
     def get_recipients(self, message: Message) -> list[dict]:

@@ -3,6 +3,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
+from queues.api.accounts import SmtpAccountDetailView, SmtpAccountListView
 from queues.api.docs import DocsView, SchemaView
 from queues.api.views import (
     AuditViewSet,
@@ -22,6 +23,12 @@ router.register("audit", AuditViewSet, basename="audit")
 urlpatterns = [
     path("v1/qshape/", QShapeView.as_view(), name="qshape"),
     path("v1/errors/", ErrorGroupsView.as_view(), name="error-groups"),
+    path("v1/smtp-accounts/", SmtpAccountListView.as_view(), name="smtp-accounts"),
+    path(
+        "v1/smtp-accounts/<str:username>/",
+        SmtpAccountDetailView.as_view(),
+        name="smtp-account",
+    ),
     path("v1/", include(router.urls)),
     # Behind a login unless MAILRELAY_API_DOCS_PUBLIC (queues/api/docs.py).
     path("schema/", SchemaView.as_view(), name="schema"),

@@ -391,7 +391,18 @@ class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
     def retrieve(self, request: Request, pk=None) -> Response:
         return Response(self.get_serializer(self.get_object()).data)
 
-    @extend_schema(responses={(200, "message/rfc822"): OpenApiTypes.BINARY})
+    @extend_schema(
+        responses={(200, "message/rfc822"): OpenApiTypes.BINARY},
+        parameters=[
+            OpenApiParameter(
+                "form",
+                str,
+                enum=["received", "sent"],
+                description="received (default): as stored; sent: as it leaves, with its "
+                "DKIM-Signature",
+            )
+        ],
+    )
     @action(
         detail=True,
         methods=["get"],
@@ -399,16 +410,19 @@ class MessageViewSet(OperatorAPI, viewsets.GenericViewSet):
     )
     def export(self, request: Request, pk=None) -> StreamingHttpResponse:
         """The message exactly as stored (with our Received header), as ``<qid>.eml``;
-        ``?format=replay`` adds the X-Sender/X-Receiver envelope for the replay folder.
+        ``?format=replay`` adds the X-Sender/X-Receiver envelope for the replay folder;
+        ``?form=sent`` gives it as it leaves for the next hop (its DKIM-Signature first).
         Streamed from the database in pieces (the queryset defers the body)."""
         message = self.get_object()
         fmt = "replay" if request.query_params.get("format") == "replay" else "eml"
+        form = "sent" if request.query_params.get("form") == "sent" else "received"
         actor = request_actor(request)
-        pieces = actions.message_export_pieces(message, fmt, actor=actor, via=Via.API)
+        pieces = actions.message_export_pieces(message, fmt, actor=actor, via=Via.API, form=form)
         response = StreamingHttpResponse(pieces, content_type="message/rfc822")
-        if (size := actions.message_export_size(message, fmt)) is not None:
+        if (size := actions.message_export_size(message, fmt, form)) is not None:
             response["Content-Length"] = str(size)
-        response["Content-Disposition"] = f'attachment; filename="{message.qid}.eml"'
+        name = f"{message.qid}.sent.eml" if form == "sent" else f"{message.qid}.eml"
+        response["Content-Disposition"] = f'attachment; filename="{name}"'
         return response
 
     @extend_schema(request=BulkSerializer, responses=BulkResultSerializer)

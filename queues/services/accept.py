@@ -11,10 +11,18 @@ from email.utils import format_datetime
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
-from queues import clock, domains
+from queues import clock, dkim, domains
 from queues.bulk import insert_with_children
 from queues.headers import inspect_headers
-from queues.models import Message, MessageSource, MessageState, Recipient, RecipientState
+from queues.models import (
+    Event,
+    EventLevel,
+    Message,
+    MessageSource,
+    MessageState,
+    Recipient,
+    RecipientState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,7 @@ class IncomingEnvelope:
     client_name: str = ""
     protocol: str = "ESMTP"  # RFC 3848 with-keyword: SMTP, ESMTP, ESMTPS, UTF8SMTPS...
     source: str = MessageSource.SMTP
+    auth_account: str = ""  # the SmtpAccount username of an authenticated client (SMTP AUTH)
 
 
 def new_qid() -> str:
@@ -112,6 +121,32 @@ def build_stored_bytes(env: IncomingEnvelope, data: bytes, qid: str) -> tuple[by
     return prefix + data, message_id, subject
 
 
+def _dkim_signature(qid: str, prefix: bytes, data: bytes | bytearray) -> tuple[bytes, str]:
+    """The DKIM-Signature to store with the message (b"" when no key applies),
+    and why signing failed ("" when it did not). A failure never refuses the
+    message: it is stored unsigned and an event says so (``_dkim_failed``)."""
+    try:
+        signature, _key = dkim.sign_message(prefix, data)
+    except Exception as exc:  # noqa: BLE001 - any failure: stored unsigned, never lost
+        log.warning("%s: DKIM signing failed, stored unsigned: %s", qid, exc)
+        return b"", f"{type(exc).__name__}: {exc}"
+    return signature, ""
+
+
+def _dkim_failed(message: Message, error: str) -> None:
+    try:
+        Event.objects.create(
+            created_at=clock.now(),
+            level=EventLevel.WARNING,
+            kind="dkim_sign_failed",
+            text=f"message {message.qid} is sent unsigned: DKIM signing failed ({error})",
+            message=message,
+            data={"error": error[:1000]},
+        )
+    except Exception:  # noqa: BLE001 - the message is stored; the log carries it
+        log.warning("%s: could not record the DKIM failure event", message.qid, exc_info=True)
+
+
 def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
     """Store a message and one row per recipient in one transaction.
 
@@ -129,6 +164,8 @@ def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
     now = clock.now()
     qid = new_qid()
     prefix, message_id, subject = build_prefix(env, data, qid)
+    # Signed once, here, where the body is in memory already (queues.dkim).
+    signature, dkim_error = _dkim_signature(qid, prefix, data)
     message = Message(
         qid=qid,
         state=MessageState.SUBMISSION,
@@ -148,6 +185,8 @@ def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
         received_at=now,
         expires_at=now + settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT,
         next_attempt_at=now,
+        signature=signature,
+        auth_account=env.auth_account,
     )
     recipients = [
         Recipient(
@@ -173,4 +212,6 @@ def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
         if stored is not None:
             return stored  # committed before the connection died
         insert_with_children(message, recipients, "message", parts=parts)
+    if dkim_error:
+        _dkim_failed(message, dkim_error)
     return message

@@ -4,7 +4,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from queues.login import ThrottledLoginView
-from queues.ui import views
+from queues.ui import accounts, views
 
 app_name = "ui"
 
@@ -26,5 +26,12 @@ urlpatterns = [
     path("messages/<int:pk>/<str:action>/", views.message_action, name="message_action"),
     path("deferrals/", views.deferrals, name="deferrals"),
     path("audit/", views.audit, name="audit"),
+    path("smtp-accounts/", accounts.account_list, name="smtp_accounts"),
+    path("smtp-accounts/<str:username>/", accounts.account_detail, name="smtp_account"),
+    path(
+        "smtp-accounts/<str:username>/delete/",
+        accounts.account_delete,
+        name="smtp_account_delete",
+    ),
     path("live.json", views.live, name="live"),
 ]

@@ -585,11 +585,14 @@ def message_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
 def message_export_view(request: HttpRequest, pk: int) -> StreamingHttpResponse:
     # Without its body: the export streams it from the database in pieces.
     message = get_object_or_404(Message.objects.defer("data"), pk=pk)
-    pieces = message_export_pieces(message, actor=request.user, via=Via.UI)
+    # ?form=sent: as it leaves for the next hop (with its DKIM-Signature).
+    form = "sent" if request.GET.get("form") == "sent" else "received"
+    pieces = message_export_pieces(message, actor=request.user, via=Via.UI, form=form)
     response = StreamingHttpResponse(pieces, content_type="message/rfc822")
-    if (size := message_export_size(message)) is not None:
+    if (size := message_export_size(message, form=form)) is not None:
         response["Content-Length"] = str(size)
-    response["Content-Disposition"] = f'attachment; filename="{message.qid}.eml"'
+    name = f"{message.qid}.sent.eml" if form == "sent" else f"{message.qid}.eml"
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
     return response
 
 

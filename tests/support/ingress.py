@@ -6,6 +6,10 @@ ephemeral port; ``start_ingress`` starts it after a test changed settings
 (``start_ingress(max_recipients=3)``). The server runs in a background
 thread with its own event loop; the thread commits for real, so both
 fixtures need the transactional database (they request it).
+
+``start_ingress(submission=True, submissions=True)`` also listens for
+submission (STARTTLS, then AUTH) and implicit TLS; ``tls_files`` makes a test
+CA (trustme) and a certificate for 127.0.0.1 and points the settings at it.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import asyncio
 import dataclasses
 import smtplib
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
+import trustme
 
 from delivery.inbound.server import InboundConfig, InboundServer
 
@@ -35,11 +42,22 @@ class SMTPRefused(AssertionError):
 class Ingress:
     """A running server: ``host``, ``port``, and helpers to talk to it."""
 
-    def __init__(self, config: InboundConfig, db_threads: int = 4) -> None:
+    def __init__(
+        self,
+        config: InboundConfig,
+        db_threads: int = 4,
+        *,
+        submission: bool = False,
+        submissions: bool = False,
+    ) -> None:
         self.config = config
         self.server = InboundServer(config, db_threads=db_threads)
         self.host = "127.0.0.1"
         self.port = 0
+        self.submission_port = 0  # STARTTLS, AUTH required (587-style); 0 = not listening
+        self.submissions_port = 0  # implicit TLS (465-style)
+        self._submission = submission
+        self._submissions = submissions
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="ingress", daemon=True)
         self._ready = threading.Event()
@@ -58,8 +76,17 @@ class Ingress:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            bound = self._loop.run_until_complete(self.server.start([(self.host, 0)]))
+            start = self.server.start(
+                [(self.host, 0)],
+                submission=[(self.host, 0)] if self._submission else (),
+                submissions=[(self.host, 0)] if self._submissions else (),
+            )
+            bound = self._loop.run_until_complete(start)
             self.port = bound[0][1]
+            if self._submission:
+                self.submission_port = self.server.bound["submission"][0][1]
+            if self._submissions:
+                self.submissions_port = self.server.bound["submissions"][0][1]
         except BaseException as exc:  # noqa: BLE001 - reported to start()
             self._error = exc
             self._ready.set()
@@ -183,9 +210,17 @@ def start_ingress(transactional_db) -> Iterator[Callable[..., Ingress]]:
     """
     started: list[Ingress] = []
 
-    def start(db_threads: int = 4, **overrides: object) -> Ingress:
+    def start(
+        db_threads: int = 4,
+        *,
+        submission: bool = False,
+        submissions: bool = False,
+        **overrides: object,
+    ) -> Ingress:
         config = dataclasses.replace(InboundConfig.from_settings(), **overrides)
-        ingress = Ingress(config, db_threads=db_threads)
+        ingress = Ingress(
+            config, db_threads=db_threads, submission=submission, submissions=submissions
+        )
         started.append(ingress)
         return ingress.start()
 
@@ -198,3 +233,42 @@ def start_ingress(transactional_db) -> Iterator[Callable[..., Ingress]]:
 @pytest.fixture
 def ingress(start_ingress: Callable[..., Ingress]) -> Ingress:
     return start_ingress()
+
+
+class TlsFiles:
+    """A test CA and a server certificate for 127.0.0.1 in PEM files; ``renew()``
+    writes a new one (another serial number) over the same files."""
+
+    def __init__(self, directory: Path) -> None:
+        self.ca = trustme.CA()
+        self.cert_file = directory / "server.crt"
+        self.key_file = directory / "server.key"
+        self.renew()
+
+    def renew(self) -> trustme.LeafCert:
+        leaf = self.ca.issue_cert("127.0.0.1", "localhost")
+        # The key first: a reader between the two writes sees a mismatch and keeps the old.
+        leaf.private_key_pem.write_to_path(str(self.key_file))
+        leaf.cert_chain_pems[0].write_to_path(str(self.cert_file))
+        self.leaf = leaf
+        return leaf
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context()
+        self.ca.configure_trust(context)
+        return context
+
+    def serial(self) -> int:
+        """The serial number of the certificate now in the files."""
+        from cryptography import x509
+
+        return x509.load_pem_x509_certificate(self.cert_file.read_bytes()).serial_number
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path, settings) -> TlsFiles:
+    """A certificate for the ingress (MAILRELAY_TLS_CERT_FILE/_KEY_FILE set to it)."""
+    files = TlsFiles(tmp_path)
+    settings.MAILRELAY_TLS_CERT_FILE = str(files.cert_file)
+    settings.MAILRELAY_TLS_KEY_FILE = str(files.key_file)
+    return files

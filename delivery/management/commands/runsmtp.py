@@ -23,7 +23,10 @@ from delivery.pickup.watcher import always_allowed, start_pickup
 
 
 class Command(BaseCommand):
-    help = "Accept mail over SMTP on MAILRELAY_SMTP_LISTEN until SIGINT or SIGTERM."
+    help = (
+        "Accept mail over SMTP on MAILRELAY_SMTP_LISTEN (and submission on "
+        "MAILRELAY_SUBMISSION_LISTEN / MAILRELAY_SUBMISSIONS_LISTEN) until SIGINT or SIGTERM."
+    )
 
     def add_arguments(self, parser) -> None:
         parser.add_argument(
@@ -47,22 +50,44 @@ class Command(BaseCommand):
             raise CommandError("MAILRELAY_SMTP_LISTEN names no address")
         if db_threads < 1:
             raise CommandError("--db-threads must be at least 1")
+        submission = self._listeners("MAILRELAY_SUBMISSION_LISTEN")
+        submissions = self._listeners("MAILRELAY_SUBMISSIONS_LISTEN")
         try:
             bp_config = BackPressureConfig.from_settings()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from None
-        asyncio.run(self._serve(addresses, db_threads, bp_config))
+        try:
+            config = InboundConfig.from_settings()
+        except (ImproperlyConfigured, OSError, ValueError) as exc:
+            raise CommandError(f"TLS certificate: {exc}") from None
+        if (submission or submissions) and config.tls is None:
+            raise CommandError(
+                "MAILRELAY_SUBMISSION(S)_LISTEN needs MAILRELAY_TLS_CERT_FILE and _KEY_FILE"
+            )
+        listeners = {"submission": submission, "submissions": submissions}
+        asyncio.run(self._serve(config, addresses, listeners, db_threads, bp_config))
+
+    @staticmethod
+    def _listeners(name: str) -> list[tuple[str, int]]:
+        try:
+            return [parse_listen(item) for item in getattr(settings, name) if item.strip()]
+        except ValueError as exc:
+            raise CommandError(f"{name}: {exc}") from None
 
     async def _serve(
-        self, addresses: list[tuple[str, int]], db_threads: int, bp_config: BackPressureConfig
+        self,
+        config: InboundConfig,
+        addresses: list[tuple[str, int]],
+        listeners: dict[str, list[tuple[str, int]]],
+        db_threads: int,
+        bp_config: BackPressureConfig,
     ) -> None:
         # The server starts the monitor before it listens and stops it last.
         monitor = Monitor(bp_config) if bp_config.enabled else None
-        config = InboundConfig.from_settings()
         self._file_limit(config.max_connections)
         server = InboundServer(config, db_threads=db_threads, monitor=monitor)
         try:
-            bound = await server.start(addresses)
+            await server.start(addresses, **listeners)
         except OSError as exc:
             raise CommandError(f"cannot listen: {exc}") from None
         # Pickup and replay folders stop under back pressure and resume by themselves.
@@ -71,8 +96,10 @@ class Command(BaseCommand):
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        for host, port in bound:
-            self.stdout.write(f"smtp: listening on {format_address(host, port)}")
+        for kind, bound in server.bound.items():
+            label = "" if kind == "smtp" else f" ({kind})"
+            for host, port in bound:
+                self.stdout.write(f"smtp: listening on {format_address(host, port)}{label}")
         if monitor is not None:
             self.stdout.write(
                 f"smtp: back pressure monitored every {bp_config.interval:g}s "

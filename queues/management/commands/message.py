@@ -119,6 +119,12 @@ class Command(BaseCommand):
         add_filter_options(p)
         p.add_argument("-o", "--output", help="file to write (default: standard output)")
         p.add_argument("--zip", help="write the messages matching the filters into this zip")
+        p.add_argument(
+            "--form",
+            choices=["received", "sent"],
+            default="received",
+            help="the bytes as received (default), or as sent (with the DKIM-Signature)",
+        )
         add_actor_option(p)
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -235,7 +241,9 @@ class Command(BaseCommand):
         if not options.get("message"):
             raise CommandError("give a message id or queue id (or filters with --zip)")
         message = message_by_ref(options["message"])
-        data = actions.message_export(message, "eml", actor=actor, via=Via.CLI)
+        data = actions.message_export(
+            message, "eml", actor=actor, via=Via.CLI, form=options.get("form") or "received"
+        )
         if options.get("output"):
             with open(options["output"], "wb") as out:
                 out.write(data)
