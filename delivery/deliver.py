@@ -8,17 +8,17 @@ import logging
 import queue
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import F
 
-from delivery import retry
+from delivery import retry, tls_policy
 from delivery.categorize import park_poison, worker_id
 from delivery.ownership import Claim, while_connected
-from delivery.routing import order_targets
+from delivery.routing import DNS_MX, order_targets
 from delivery.smtp_client import ClientConfig, deliver
 from delivery.types import (
     BatchResult,
@@ -28,12 +28,13 @@ from delivery.types import (
     RecipientResult,
 )
 from queues import clock, counters, dsn
-from queues.bulk import bulk_update_rows
 from queues.models import (
     Attempt,
     AttemptOutcome,
     AttemptPhase,
     DeliveryType,
+    Event,
+    EventLevel,
     Link,
     LinkState,
     Message,
@@ -107,11 +108,15 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
 
 
 def _read_body(message_id: int) -> bytes:
-    """One message's stored bytes, on the owner's connection."""
-    data = Message.objects.filter(pk=message_id).values_list("data", flat=True).first()
-    if data is None:
+    """What leaves for the next hop, on the owner's connection: the header
+    fields added for sending (a DKIM-Signature, queues.dkim) before the stored
+    bytes, which stay as received."""
+    row = Message.objects.filter(pk=message_id).values_list("signature", "data").first()
+    if row is None:
         raise LookupError(f"message {message_id} is no longer stored")
-    return bytes(data)
+    signature, data = row
+    # join copies each piece once (no bytes() of the body first).
+    return b"".join((signature, data)) if signature else bytes(data)
 
 
 def _exchange(
@@ -275,6 +280,11 @@ def _decide(
                 enhanced=res.enhanced[:16],
                 text=res.text,
                 outcome=res.outcome,
+                tls_version=res.tls_version[:16],
+                tls_cipher=res.tls_cipher[:100],
+                tls_verified=res.tls_verified[:20],
+                tls_policy=res.tls_policy[:20],
+                auth_used=res.auth_used[:20],
             )
         )
         sender = senders.get(row.message_id, "")
@@ -382,7 +392,7 @@ def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> 
                 for row in failed:
                     row.queue_id = dead_letter.pk
         Attempt.objects.bulk_create(rnd.attempts)
-        bulk_update_rows(list(rows.values()), RECIPIENT_UPDATE_FIELDS)
+        Recipient.objects.record(rows.values(), RECIPIENT_UPDATE_FIELDS)
         # Claimed but never tried (the round stopped when it lost its claim,
         # or a peer never got to them): waiting again, due now.
         Recipient.objects.owned_by(owner).release(now)
@@ -418,7 +428,30 @@ def _write_link(link: Link, rnd: _Round, connection_error: str) -> None:
         link.last_success_at = now
     for queue_id, text in rnd.errors_by_queue.items():
         Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
+    tls = _tls_summary(rnd.attempts)
+    if tls:
+        link.last_tls = tls
     link.save(update_fields=LINK_UPDATE_FIELDS)
+
+
+def _tls_summary(attempts: list[Attempt]) -> str:
+    """The TLS of the round's last session for the queue list, e.g.
+    "TLSv1.3 verified (mta-sts), AUTH PLAIN" or "cleartext (policy may)"."""
+    if not attempts:
+        return ""
+    a = attempts[-1]
+    if a.tls_version:
+        how = f"verified ({a.tls_verified})" if a.tls_verified not in ("", "none") else "unverified"
+        text = f"{a.tls_version} {how}"
+    elif a.host or a.tls_policy:
+        text = "cleartext" if a.code is not None else "no session"
+    else:
+        return ""
+    if a.tls_policy:
+        text += f", policy {a.tls_policy}"
+    if a.auth_used:
+        text += f", AUTH {a.auth_used}"
+    return text[:120]
 
 
 RECIPIENT_UPDATE_FIELDS = [
@@ -444,6 +477,7 @@ LINK_UPDATE_FIELDS = [
     "last_error",
     "last_error_at",
     "last_success_at",
+    "last_tls",
 ]
 
 
@@ -487,7 +521,12 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
             messages, AttemptOutcome.DEFERRED, "4.4.4", error or "no address for the next hop"
         )
     else:
-        batch = _exchange(targets, messages, config, claim)
+        planned = _with_tls(link, hops, messages, targets, config)
+        if isinstance(planned, ClientConfig):
+            batch = _exchange(targets, messages, planned, claim)
+            _report_tls(batch)
+        else:
+            batch = _unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
     try:
         while_connected(claim, lambda: _record(link, batch, owner))
     except (OperationalError, InterfaceError):
@@ -500,6 +539,37 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
         log.exception("recording a delivery round of link %s failed", link.pk)
         _record_crash(owner)
     return len(ids)
+
+
+def _with_tls(
+    link: Link, hops: list[NextHop], messages: list[OutboundMessage], targets: list, config
+) -> ClientConfig | str:
+    """``config`` with the round's TLS requirements and AUTH credentials
+    (delivery.tls_policy.plan: policy file, MTA-STS, DANE, all looked up here,
+    before the round); or why the round cannot go (then it is deferred: a
+    policy that cannot be read must not become cleartext)."""
+    domains = sorted({r.address.rpartition("@")[2].lower() for m in messages for r in m.recipients})
+    try:
+        planned = tls_policy.plan(hops, link.delivery_type == DNS_MX, domains, targets, clock.now())
+    except Exception as exc:  # noqa: BLE001 - unreadable policy/credentials file
+        log.exception("TLS policy of link %s could not be worked out", link.pk)
+        return f"TLS policy could not be applied: {exc}"
+    now = clock.now()
+    for text in planned.reports:
+        Event.objects.create(created_at=now, level=EventLevel.WARNING, kind="mta_sts", text=text)
+    return replace(config, tls_for=planned.tls_for, auth_for=planned.auth_for)
+
+
+def _report_tls(batch: BatchResult) -> None:
+    """An Event per distinct MTA-STS "testing" failure of the round."""
+    now = clock.now()
+    for text in dict.fromkeys(r.tls_report for r in batch.results if r.tls_report):
+        Event.objects.create(
+            created_at=now,
+            level=EventLevel.WARNING,
+            kind="mta_sts",
+            text=f"MTA-STS (testing): {text}; delivered anyway",
+        )
 
 
 def _record_crash(owner: str) -> None:

@@ -181,7 +181,7 @@ def error_name(phase: str, code: int | None, host_error: str = "", via_mx: bool 
         return f"{host_error}_{'MX' if via_mx else 'A'}"
     if host_error == "timeout":
         return "timeout_MX" if via_mx else "timeout_A"
-    return host_error  # lost_connection, or "" (matched by "*" only)
+    return host_error  # lost_connection, tls_required, auth_failed, or "" ("*" only)
 
 
 def validate_retry_settings() -> None:

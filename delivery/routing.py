@@ -236,6 +236,9 @@ def validate_routing_settings() -> None:
             lambda: [parse_nameserver(spec) for spec in settings.MAILRELAY_DNS_NAMESERVERS],
         ),
     ]
+    from delivery.tls_policy import validate_tls_settings  # imports routing: not at the top
+
+    checks += validate_tls_settings()
     for name, check in checks:
         try:
             check()
@@ -495,6 +498,18 @@ def _configured_routes(
     parsed = parse_transports(transports, port)
     hops = parse_next_hop(smart_host, port) if smart_host.strip() else ()
     return types.MappingProxyType(dict(parsed)), tuple(hops)
+
+
+def configured_hops(domain: str) -> tuple[NextHop, ...]:
+    """The next hops of ``domain`` as written in the transport map or smart host
+    (before any MX lookup), or () when DNS routes it: the names a TLS policy
+    or AUTH line may use for them (delivery.tls_policy)."""
+    router = Router.from_settings()
+    try:
+        entry = lookup_transport(router.transports, _route_name(domain))
+    except RouteError:
+        return ()
+    return entry[1] if entry is not None else router.smart_host
 
 
 class Router:

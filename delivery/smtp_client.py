@@ -32,6 +32,7 @@ in lock-step (``_pipelined``, ``_lockstep``), then the body is sent
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ipaddress
 import logging
@@ -46,6 +47,8 @@ from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from delivery import classify as c
+from delivery import dane, mta_sts
+from delivery.smtp_auth import Credentials
 from delivery.smtp_envelope import (
     BAD_RECIPIENT,
     DATA_LINE,
@@ -54,6 +57,8 @@ from delivery.smtp_envelope import (
     build_envelope,
     sender_refusal,
 )
+from delivery.tls_policy import ENHANCED as TLS_ENHANCED
+from delivery.tls_policy import MAY, TLS_REQUIRED, TlsRequirement
 from delivery.types import (
     BatchResult,
     HostFailure,
@@ -90,6 +95,9 @@ END_MARK = b".\r\n"
 # 4.5.0 other or undefined protocol status).
 PROTOCOL_ENHANCED = c.PROTOCOL_ERROR_ENHANCED
 END_OF_DATA = "end of data"
+# Next hops on this port speak TLS from the first byte (RFC 8314 "submissions").
+IMPLICIT_TLS_PORT = 465
+AUTH_FAILED = "auth_failed"  # Exim's error name for a refused AUTH
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
@@ -117,6 +125,10 @@ class ClientConfig:
     data_timeout: float = MIN_DATA_TIMEOUT
     max_messages_per_connection: int = 20
     max_connections: int = 10
+    # Per target: the TLS requirement (None: "may" everywhere) and the AUTH
+    # credentials (None: no AUTH); see delivery.tls_policy.RoundTls.
+    tls_for: Callable[[Peer], TlsRequirement] | None = None
+    auth_for: Callable[[Peer], Credentials | None] | None = None
 
     @classmethod
     def from_settings(cls) -> ClientConfig:
@@ -197,6 +209,48 @@ def _client_tls_context() -> ssl.SSLContext:
     return _tls_context
 
 
+_verifying_contexts: dict[tuple[str, float], ssl.SSLContext] = {}
+
+
+def _tls_context_for(req: TlsRequirement) -> ssl.SSLContext:
+    """The opportunistic context, or for ``verify``/``secure``/MTA-STS one that
+    checks the chain against ``ca_file`` (the system store when empty) and the
+    host name; built once per CA file (and again when the file changes)."""
+    if req.verify not in ("ca", "mta-sts"):
+        return _client_tls_context()
+    stamp = os.stat(req.ca_file).st_mtime if req.ca_file else 0.0
+    key = (req.ca_file, stamp)
+    ctx = _verifying_contexts.get(key)
+    if ctx is None:
+        ctx = ssl.create_default_context(cafile=req.ca_file or None)
+        _verifying_contexts[key] = ctx
+    return ctx
+
+
+def _peer_chain(ssl_object: ssl.SSLObject | None) -> list[bytes]:
+    """The certificates the peer sent (DER, leaf first), for DANE."""
+    if ssl_object is None:
+        return []
+    inner = getattr(ssl_object, "_sslobj", None)
+    get_chain = getattr(inner, "get_unverified_chain", None)
+    if get_chain is not None:  # private before Python 3.13, public after
+        return [cert.public_bytes(2) for cert in get_chain() or []]  # 2: DER
+    leaf = ssl_object.getpeercert(binary_form=True)
+    return [leaf] if leaf else []
+
+
+@dataclass(slots=True)
+class _Security:
+    """The transport security of one session (Attempt.tls_* and auth_used)."""
+
+    policy: str = ""
+    version: str = ""
+    cipher: str = ""
+    verified: str = ""
+    auth: str = ""
+    report: str = ""  # an MTA-STS "testing" failure, for an Event
+
+
 class _Reply(NamedTuple):
     code: int
     lines: list[str]
@@ -221,8 +275,10 @@ class _SessionFailed(Exception):
         note: str = "",
         error: str = "",
         enhanced: str = "",
+        in_reply_to: str = "",
     ) -> None:
         super().__init__(text)
+        self.in_reply_to = in_reply_to
         self.phase = phase
         self.code = code
         self.text = text
@@ -250,13 +306,33 @@ class _Failure:
     target: Peer
     error: str = ""  # Exim error name (see delivery.types.HostFailure)
     enhanced: str = ""  # overrides the classified enhanced code when set
+    in_reply_to: str = ""  # the command answered, when the phase does not say (AUTH)
+    tls_policy: str = ""
+    # the failed session's TLS (and AUTH) as far as it got, for the attempts
+    security: _Security | None = None
+
+    @classmethod
+    def of(
+        cls, exc: _SessionFailed, target: Peer, tls_policy: str, security: _Security
+    ) -> _Failure:
+        return cls(
+            exc.phase,
+            exc.code,
+            exc.text,
+            target,
+            exc.error,
+            exc.enhanced,
+            exc.in_reply_to,
+            tls_policy,
+            replace(security),
+        )
 
     def describe(self) -> str:
         t = self.target
         where = f"{t.host}[{t.ip}]:{t.port}" if t.ip and t.ip != t.host else f"{t.host}:{t.port}"
         if self.code is None:
             return f"{where}: {self.text}"
-        command = _IN_REPLY_TO.get(self.phase, self.phase)
+        command = self.in_reply_to or _IN_REPLY_TO.get(self.phase, self.phase)
         return f"{where} said: {self.code} {self.text} (in reply to {command})"
 
 
@@ -274,7 +350,7 @@ _IN_REPLY_TO = {
 class _Recorder:
     """The results of one message on one target, one per recipient."""
 
-    __slots__ = ("msg", "target", "started", "t0", "decided", "peer_dsn")
+    __slots__ = ("msg", "target", "started", "t0", "decided", "peer_dsn", "security")
 
     def __init__(
         self,
@@ -283,8 +359,10 @@ class _Recorder:
         started: datetime,
         t0: float,
         peer_dsn: bool = False,
+        security: _Security | None = None,
     ):
         self.peer_dsn = peer_dsn
+        self.security = security or _Security()
         self.msg = msg
         self.target = target
         self.started = started
@@ -302,6 +380,7 @@ class _Recorder:
         if cls is None:
             cls = c.classify(phase, code, text)
         t = self.target
+        sec = self.security
         self.decided[rcpt.id] = RecipientResult(
             recipient_id=rcpt.id,
             message_id=self.msg.id,
@@ -317,6 +396,12 @@ class _Recorder:
             duration_ms=int((time.monotonic() - self.t0) * 1000),
             scope=cls.scope,
             peer_dsn=self.peer_dsn,
+            tls_version=sec.version,
+            tls_cipher=sec.cipher,
+            tls_verified=sec.verified,
+            tls_policy=sec.policy,
+            auth_used=sec.auth,
+            tls_report=sec.report,
         )
 
     def set_many(
@@ -370,6 +455,7 @@ class _Connection:
         self.config = config
         self.extensions: dict[str, str] = {}
         self.tls = False
+        self.security = _Security()
         # A transaction was left open (MAIL accepted, never finished by DATA).
         self.need_rset = False
         self.waiting_for = "greeting"
@@ -456,7 +542,7 @@ class _Connection:
                 return
         raise _SessionFailed(phase, r.code, r.text)
 
-    async def starttls(self) -> bool:
+    async def starttls(self, context: ssl.SSLContext | None = None) -> bool:
         """STARTTLS and a fresh EHLO. Returns False when the peer declined
         (the session goes on in cleartext); raises when TLS broke the session."""
         r = await self.command(b"STARTTLS\r\n", "STARTTLS", c.STARTTLS)
@@ -478,16 +564,106 @@ class _Connection:
         try:
             async with asyncio.timeout(self.config.command_timeout):
                 await self.writer.start_tls(
-                    _client_tls_context(), server_hostname=_sni(self.target.host)
+                    context or _client_tls_context(), server_hostname=_sni(self.target.host)
                 )
         except Exception as exc:  # noqa: BLE001 - any handshake failure
             why = str(exc) or type(exc).__name__
             if isinstance(exc, TimeoutError):
                 why = f"timeout after {self.config.command_timeout:g}s"
             raise _SessionFailed(c.STARTTLS, None, f"TLS handshake failed: {why}") from exc
-        self.tls = True
+        self.tls_established()
         await self.hello(c.EHLO)
         return True
+
+    def tls_established(self) -> None:
+        """Note the TLS version and cipher of the session now encrypted."""
+        self.tls = True
+        ssl_object = self.writer.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            self.security.version = ssl_object.version() or ""
+            cipher = ssl_object.cipher()
+            self.security.cipher = cipher[0] if cipher else ""
+
+    def check_peer(self, req: TlsRequirement) -> None:
+        """After TLS: DANE matching (the context did the CA/MTA-STS checks);
+        record how the peer was verified. Raises when DANE finds no match."""
+        if req.verify == "dane":
+            chain = _peer_chain(self.writer.get_extra_info("ssl_object"))
+            if dane.match(req.tlsa, chain) is None:
+                raise _SessionFailed(
+                    c.STARTTLS,
+                    None,
+                    f"TLS required ({req.level}) but no TLSA record of {self.target.host} "
+                    "matches its certificate (DANE)",
+                    error=TLS_REQUIRED,
+                    enhanced=TLS_ENHANCED,
+                )
+            self.security.verified = "dane"
+        elif req.verify in ("ca", "mta-sts"):
+            self.security.verified = req.verify
+        elif req.verify == "report":
+            chain = _peer_chain(self.writer.get_extra_info("ssl_object"))
+            problem = mta_sts.check_chain(chain, self.target.host, req.ca_file)
+            self.security.verified = "none" if problem else "mta-sts"
+            self.security.report = problem
+        else:
+            self.security.verified = "none"
+
+    async def authenticate(self, creds: Credentials) -> None:
+        """AUTH PLAIN, else LOGIN (RFC 4954); never in cleartext unless the
+        credentials allow it. A 5xx is Exim's ``auth_failed``: that next hop
+        will refuse every connection the same way."""
+        host = self.target.host
+        if not self.tls and not creds.allow_cleartext:
+            raise _SessionFailed(
+                c.EHLO,
+                None,
+                f"refusing to send AUTH credentials to {host} without TLS "
+                "(add allow-cleartext to its MAILRELAY_SMTP_AUTH line to allow it)",
+                error=TLS_REQUIRED,
+                enhanced=TLS_ENHANCED,
+            )
+        offered = self.extensions.get("AUTH", "").upper().split()
+        if "PLAIN" in offered:
+            mechanism = "PLAIN"
+            r = await self.command(b"AUTH PLAIN " + creds.plain() + CRLF, "AUTH", c.EHLO)
+        elif "LOGIN" in offered:
+            mechanism = "LOGIN"
+            r = await self._auth_login(creds)
+        else:
+            raise _SessionFailed(
+                c.EHLO,
+                None,
+                f"{host} offers no AUTH PLAIN or LOGIN (offered: {' '.join(offered) or 'none'}); "
+                "credentials are configured for it",
+                error=AUTH_FAILED,
+                enhanced="4.7.0",
+            )
+        if r.code == 235:
+            self.security.auth = mechanism
+            return
+        error = AUTH_FAILED if r.code // 100 == 5 else ""
+        # Say plainly what failed (the reply text is often just "failed"), and
+        # keep the peer's enhanced code in its own field.
+        label = "authentication failed (auth_failed)" if error else "authentication deferred"
+        raise _SessionFailed(
+            c.EHLO,
+            r.code,
+            f"{label}: {c.strip_enhanced(r.text)}",
+            error=error,
+            enhanced=c.parse_enhanced(r.text),
+            in_reply_to=f"AUTH {mechanism}",
+        )
+
+    async def _auth_login(self, creds: Credentials) -> _Reply:
+        """AUTH LOGIN: the user name and the password, each after a 334."""
+        r = await self.command(b"AUTH LOGIN\r\n", "AUTH", c.EHLO)
+        for secret in (creds.username, creds.password):
+            if r.code != 334:
+                return r
+            answer = base64.b64encode(secret.encode()) + CRLF
+            r = await self.command(answer, "AUTH", c.EHLO)
+        return r
 
     # Sending one message ----------------------------------------------------------
 
@@ -778,22 +954,59 @@ class _Batch:
         t = failure.target
         self.host_failures.append(
             HostFailure(
-                t.host, t.ip, t.port, failure.phase, failure.code, failure.text, failure.error
+                t.host,
+                t.ip,
+                t.port,
+                failure.phase,
+                failure.code,
+                failure.text,
+                failure.error,
+                failure.tls_policy,
             )
         )
         log.info("delivery to %s failed: %s", failure.target.host, failure.describe())
         return failure
 
+    def requirement(self, target: Peer) -> TlsRequirement:
+        return self.config.tls_for(target) if self.config.tls_for is not None else MAY
+
     async def open(self, index: int, use_tls: bool) -> _Connection | _Failure:
-        """Connect, read the greeting, EHLO, STARTTLS when offered."""
+        """Connect, read the greeting, EHLO, STARTTLS when offered (or when the
+        TLS policy requires it: never cleartext then), AUTH when configured."""
         target = self.targets[index]
         state = self.states[index]
         cfg = self.config
+        req = self.requirement(target)
+        if req.refuse:  # e.g. an MX that the MTA-STS policy does not list
+            state.dead = True
+            text = c.strip_enhanced(req.refuse)
+            return self._fail(
+                _Failure(c.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level)
+            )
+        implicit = target.port == IMPLICIT_TLS_PORT
         try:
             async with asyncio.timeout(cfg.connect_timeout):
                 reader, writer = await asyncio.open_connection(
-                    target.ip or target.host, target.port, limit=READ_LIMIT
+                    target.ip or target.host,
+                    target.port,
+                    limit=READ_LIMIT,
+                    ssl=_tls_context_for(req) if implicit else None,
+                    server_hostname=_sni(target.host) or target.host if implicit else None,
                 )
+        except ssl.SSLError as exc:  # implicit TLS (port 465): the handshake failed
+            state.dead = True
+            return self._fail(
+                _Failure(
+                    c.STARTTLS,
+                    None,
+                    f"TLS handshake failed (implicit TLS, port {target.port}): {exc}",
+                    target,
+                    TLS_REQUIRED,
+                    TLS_ENHANCED,
+                    "",
+                    req.level,
+                )
+            )
         except TimeoutError:
             state.dead = True
             return self._fail(
@@ -814,6 +1027,9 @@ class _Batch:
             )
 
         conn = _Connection(reader, writer, target, cfg)
+        conn.security.policy = req.level
+        if implicit:
+            conn.tls_established()
         try:
             try:
                 async with asyncio.timeout(cfg.command_timeout):
@@ -827,12 +1043,14 @@ class _Batch:
                 raise _SessionFailed(c.GREETING, greeting.code, greeting.text)
             self.connected = True
             await conn.hello(c.EHLO)
-            if use_tls and "STARTTLS" in conn.extensions:
+            await self._secure(conn, state, req, use_tls)
+            creds = cfg.auth_for(target) if cfg.auth_for is not None else None
+            if creds is not None:
                 try:
-                    await conn.starttls()
+                    await conn.authenticate(creds)
                 except _SessionFailed as exc:
-                    if exc.code is None:
-                        state.tls_broken = True
+                    if exc.error:  # refused for good, or no way to send it: same next time
+                        state.dead = True
                     raise
             return conn
         except _SessionFailed as exc:
@@ -840,9 +1058,7 @@ class _Batch:
                 # It would do the same to every connection of this batch.
                 state.dead = True
             await _discard(conn, polite=exc.code is not None)
-            return self._fail(
-                _Failure(exc.phase, exc.code, exc.text, target, exc.error, exc.enhanced)
-            )
+            return self._fail(_Failure.of(exc, target, req.level, conn.security))
         except Exception as exc:  # a bug must not escape as an exception
             log.exception("unexpected error opening %s", target.host)
             conn.abort()
@@ -850,6 +1066,52 @@ class _Batch:
         except BaseException:  # cancelled: leave no socket behind
             conn.abort()
             raise
+
+    async def _secure(
+        self, conn: _Connection, state: _TargetState, req: TlsRequirement, use_tls: bool
+    ) -> None:
+        """STARTTLS as the policy says. At ``may`` a broken handshake is
+        retried later in cleartext (``tls_broken``); when TLS is required a
+        missing or failed TLS is a per-connection failure (4.7.5,
+        ``tls_required``) and the target is not tried again in this round."""
+        host = conn.target.host
+        offered = "STARTTLS" in conn.extensions
+        if not conn.tls and req.level != "none" and offered and (use_tls or req.require):
+            try:
+                await conn.starttls(_tls_context_for(req))
+            except _SessionFailed as exc:
+                if exc.code is None and req.require:
+                    state.dead = True
+                    raise _SessionFailed(
+                        c.STARTTLS,
+                        None,
+                        f"TLS required ({req.level}) but the TLS handshake with {host} "
+                        f"failed: {exc.text.removeprefix('TLS handshake failed: ')}",
+                        error=TLS_REQUIRED,
+                        enhanced=TLS_ENHANCED,
+                    ) from exc
+                if exc.code is None:
+                    state.tls_broken = True
+                raise
+        if req.verify == "report" and not conn.tls:
+            conn.security.report = (
+                f"{host} offered no STARTTLS" if not offered else (f"no TLS with {host}")
+            )
+        if req.require and not conn.tls:
+            state.dead = True
+            raise _SessionFailed(
+                c.STARTTLS,
+                None,
+                f"TLS required ({req.level}) but not offered by {host}",
+                error=TLS_REQUIRED,
+                enhanced=TLS_ENHANCED,
+            )
+        if conn.tls:
+            try:
+                conn.check_peer(req)
+            except _SessionFailed:
+                state.dead = True
+                raise
 
     async def run_group(self, group: list[OutboundMessage]) -> None:
         """Deliver one connection's messages, walking the targets.
@@ -895,6 +1157,7 @@ class _Batch:
                     clock.now(),
                     time.monotonic(),
                     peer_dsn="DSN" in conn.extensions,
+                    security=conn.security,
                 )
                 await conn.send(remaining[0], rec, self.load_body)
                 self.results.extend(rec.results())
@@ -908,9 +1171,7 @@ class _Batch:
                 rec.fill(exc.phase, exc.code, exc.text + exc.note, exc.enhanced)
                 self.results.extend(rec.results())
                 remaining.popleft()
-            return self._fail(
-                _Failure(exc.phase, exc.code, exc.text, conn.target, exc.error, exc.enhanced)
-            )
+            return self._fail(_Failure.of(exc, conn.target, conn.security.policy, conn.security))
         except Exception as exc:  # a bug must not lose results or escape
             log.exception("unexpected error delivering to %s", conn.target.host)
             conn.abort()
@@ -935,8 +1196,9 @@ class _Batch:
         if failure is None:  # no target at all
             failure = _Failure(c.CONNECT, None, "no host to deliver to", _NoPeer())
         self.connection_error = failure.describe()
+        security = failure.security or _Security(policy=failure.tls_policy)
         for msg in remaining:
-            rec = _Recorder(msg, failure.target, started, t0)
+            rec = _Recorder(msg, failure.target, started, t0, security=security)
             rec.fill(failure.phase, failure.code, failure.text, failure.enhanced)
             self.results.extend(rec.results())
         remaining.clear()

@@ -100,6 +100,16 @@ class RecipientResult:
     scope: str = "recipient"
     # the peer advertised DSN (it takes over NOTIFY=SUCCESS, RFC 3461 "relayed")
     peer_dsn: bool = False
+    # The session's transport security (queues.models.Attempt fields): TLS
+    # version and cipher ("" in cleartext), how the peer was verified
+    # (none/ca/dane/mta-sts), the TLS policy level applied, AUTH mechanism used.
+    tls_version: str = ""
+    tls_cipher: str = ""
+    tls_verified: str = ""
+    tls_policy: str = ""
+    auth_used: str = ""
+    # What an MTA-STS "testing" policy would have refused (reported as an Event).
+    tls_report: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,8 +123,10 @@ class HostFailure:
     code: int | None
     text: str
     # Exim error name without the _MX/_A suffix: refused, timeout_connect,
-    # timeout, lost_connection, or "" when only "*" describes it
+    # timeout, lost_connection, tls_required, auth_failed, or "" when only "*"
+    # describes it
     error: str = ""
+    tls_policy: str = ""  # the TLS policy level applied to this host
 
 
 @dataclass

@@ -248,6 +248,12 @@ MAILRELAY_MAX_RECIPIENTS = env_int("MAILRELAY_MAX_RECIPIENTS", 1000)
 MAILRELAY_SMTP_SERVER_TIMEOUT = env_duration("MAILRELAY_SMTP_SERVER_TIMEOUT", "5m")
 MAILRELAY_TLS_CERT_FILE = env_str("MAILRELAY_TLS_CERT_FILE", "")
 MAILRELAY_TLS_KEY_FILE = env_str("MAILRELAY_TLS_KEY_FILE", "")
+# Submission with AUTH (README "Submission and AUTH"): comma lists of host:port, "" = off.
+# 587-style: STARTTLS required before AUTH and MAIL; 465-style: implicit TLS (RFC 8314).
+MAILRELAY_SUBMISSION_LISTEN = env_list("MAILRELAY_SUBMISSION_LISTEN", "")
+MAILRELAY_SUBMISSIONS_LISTEN = env_list("MAILRELAY_SUBMISSIONS_LISTEN", "")
+# AUTH failures from one client address within 15 minutes before it gets 421 4.7.0.
+MAILRELAY_AUTH_MAX_FAILURES = env_int("MAILRELAY_AUTH_MAX_FAILURES", 5)
 # Inbound limits (Postfix's anvil and smtpd_* limits; README "Inbound policy").
 MAILRELAY_SMTP_MAX_CONNECTIONS = env_int("MAILRELAY_SMTP_MAX_CONNECTIONS", 1000)
 MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT = env_int("MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT", 50)
@@ -325,7 +331,10 @@ MAILRELAY_PICKUP_MAX_RECIPIENTS_PER_MESSAGE = env_int(
 )
 # --- DKIM signing at accept (README "DKIM"; queues/dkim.py)
 MAILRELAY_DKIM_KEYS_DIR = env_str("MAILRELAY_DKIM_KEYS_DIR", "")  # <domain>.<selector>.key
-MAILRELAY_DKIM_SIGNING_DOMAIN = env_str("MAILRELAY_DKIM_SIGNING_DOMAIN", "")  # "" = From's
+# "" = the From domain's key only; else in its one form (a bad name stops start-up).
+MAILRELAY_DKIM_SIGNING_DOMAIN = "".join(
+    domain_keys("MAILRELAY_DKIM_SIGNING_DOMAIN", env_list("MAILRELAY_DKIM_SIGNING_DOMAIN"))[:1]
+)
 MAILRELAY_DKIM_HEADERS = env_list("MAILRELAY_DKIM_HEADERS", "")  # "" = RFC 6376's usual set
 MAILRELAY_DKIM_KEY_REFRESH = env_duration("MAILRELAY_DKIM_KEY_REFRESH", "1m")
 # --- metrics (docs/metrics.md); PROMETHEUS_MULTIPROC_DIR is read by prometheus_client itself
@@ -370,3 +379,17 @@ MAILRELAY_BP_SUBMISSION_QUEUE_HIGH = env_int("MAILRELAY_BP_SUBMISSION_QUEUE_HIGH
 MAILRELAY_BP_SUBMISSION_QUEUE_HISTORY_DEPTH = env_int(
     "MAILRELAY_BP_SUBMISSION_QUEUE_HISTORY_DEPTH", 300
 )
+
+# Outbound TLS policy and AUTH to next hops (README "TLS policy").
+# A Postfix smtp_tls_policy_maps-like file: "destination level" lines.
+MAILRELAY_TLS_POLICY = env_str("MAILRELAY_TLS_POLICY", "")
+MAILRELAY_TLS_DEFAULT_LEVEL = env_str("MAILRELAY_TLS_DEFAULT_LEVEL", "may")
+# CA bundle for verify/secure and MTA-STS (certificates and policy fetch); "" = system store.
+MAILRELAY_TLS_CA_FILE = env_str("MAILRELAY_TLS_CA_FILE", "")
+MAILRELAY_MTA_STS = env_bool("MAILRELAY_MTA_STS", True)
+MAILRELAY_MTA_STS_FETCH_TIMEOUT = env_duration("MAILRELAY_MTA_STS_FETCH_TIMEOUT", "10s")
+# Test-only: the HTTPS port of mta-sts.<domain> (RFC 8461 says 443).
+MAILRELAY_MTA_STS_PORT = env_int("MAILRELAY_MTA_STS_PORT", 443)
+# The path of a file of "next-hop username:password [allow-cleartext]" lines;
+# with MAILRELAY_SMTP_AUTH_FILE (a mounted secret) the value is those lines.
+MAILRELAY_SMTP_AUTH = env_str("MAILRELAY_SMTP_AUTH", "")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rest_framework import status
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound, ParseError
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -20,6 +21,34 @@ from queues.permissions import IsAdmin
 from queues.services import accounts
 
 _CHANGEABLE = {"password", "enabled", "allowed_senders", "max_messages_per_hour"}
+
+
+class SmtpAccountSerializer(serializers.Serializer):
+    """What an account looks like in answers (never its password or hash)."""
+
+    username = serializers.CharField()
+    enabled = serializers.BooleanField()
+    allowed_senders = serializers.ListField(child=serializers.CharField())
+    max_messages_per_hour = serializers.IntegerField(allow_null=True)
+    created_at = serializers.DateTimeField(allow_null=True)
+    last_login_at = serializers.DateTimeField(allow_null=True)
+
+
+class SmtpAccountChangeSerializer(serializers.Serializer):
+    """A PATCH body: any of these (the password is written, never read back)."""
+
+    password = serializers.CharField(write_only=True, required=False)
+    enabled = serializers.BooleanField(required=False)
+    allowed_senders = serializers.ListField(child=serializers.CharField(), required=False)
+    max_messages_per_hour = serializers.IntegerField(allow_null=True, required=False)
+
+
+class SmtpAccountCreateSerializer(SmtpAccountChangeSerializer):
+    username = serializers.CharField()
+    password = serializers.CharField(write_only=True)
+
+
+_LIST = inline_serializer("SmtpAccountList", {"results": SmtpAccountSerializer(many=True)})
 
 
 def _data(request: Request) -> dict[str, Any]:
@@ -38,11 +67,17 @@ def _bool(value: Any, name: str) -> bool:
 class SmtpAccountListView(OperatorAPI, APIView):
     permission_classes = [IsAdmin]
 
+    @extend_schema(operation_id="smtp_accounts_list", responses=_LIST)
     def get(self, request: Request) -> Response:
         return Response(
             {"results": [accounts.account_summary(a) for a in accounts.list_accounts()]}
         )
 
+    @extend_schema(
+        operation_id="smtp_accounts_create",
+        request=SmtpAccountCreateSerializer,
+        responses={201: SmtpAccountSerializer},
+    )
     def post(self, request: Request) -> Response:
         data = _data(request)
         unknown = set(data) - _CHANGEABLE - {"username"}
@@ -71,9 +106,15 @@ class SmtpAccountDetailView(OperatorAPI, APIView):
         except accounts.AccountError as exc:
             raise NotFound(str(exc)) from None
 
+    @extend_schema(operation_id="smtp_accounts_retrieve", responses=SmtpAccountSerializer)
     def get(self, request: Request, username: str) -> Response:
         return Response(accounts.account_summary(self._get(username)))
 
+    @extend_schema(
+        operation_id="smtp_accounts_partial_update",
+        request=SmtpAccountChangeSerializer,
+        responses=SmtpAccountSerializer,
+    )
     def patch(self, request: Request, username: str) -> Response:
         self._get(username)
         data = _data(request)
@@ -95,6 +136,7 @@ class SmtpAccountDetailView(OperatorAPI, APIView):
         accounts.audit(request.user, "api", "change", username, changed)
         return Response(accounts.account_summary(account))
 
+    @extend_schema(operation_id="smtp_accounts_destroy", responses={204: None})
     def delete(self, request: Request, username: str) -> Response:
         self._get(username).delete()
         accounts.audit(request.user, "api", "delete", username)

@@ -76,6 +76,7 @@ class DNSZone:
         self._nodes: dict[str, _Node] = {}
         self._servfail: set[tuple[str, str | None]] = set()
         self._drop: set[tuple[str, str | None]] = set()
+        self._authentic: set[tuple[str, str | None]] = set()
         self.queries: list[Query] = []
 
     # --- what tests call ---
@@ -94,6 +95,31 @@ class DNSZone:
 
     def aaaa(self, name: str, *addresses: str) -> None:
         self._set(name, "AAAA", [AAAA(address) for address in addresses])
+
+    def txt(self, name: str, *texts: str | bytes) -> None:
+        """One TXT record per text; a text longer than 255 octets is split into
+        several character-strings (RFC 7208 3.3, RFC 6376 3.6.2.2: readers join
+        them), as a DKIM key record of a 2048-bit RSA key needs."""
+        from dnslib import TXT  # here: the import line is shared with the TLSA work
+
+        records = []
+        for text in texts:
+            raw = text.encode("ascii") if isinstance(text, str) else text
+            records.append(TXT([raw[i : i + 255] for i in range(0, len(raw), 255)] or [b""]))
+        self._set(name, "TXT", records)
+
+    def tlsa(self, name: str, *records: tuple[int, int, int, bytes]) -> None:
+        """TLSA records ``(usage, selector, matching type, data)`` at ``name``
+        (``_25._tcp.mx.example.com``); ``authentic(name)`` to mark them validated."""
+        from dnslib import TLSA  # here: the import line is shared with the TXT work
+
+        self._set(name, "TLSA", [TLSA(u, s, m, data) for u, s, m, data in records])
+
+    def authentic(self, name: str, qtype: str | None = None) -> None:
+        """Answers for ``name`` (``qtype`` only, when given) carry the AD bit, as
+        a validating resolver sets it for DNSSEC-signed data (RFC 4035 §3.2.3)."""
+        with self._lock:
+            self._authentic.add((_norm(name), qtype and qtype.upper()))
 
     def cname(self, name: str, target: str) -> None:
         with self._lock:
@@ -127,6 +153,7 @@ class DNSZone:
             self._nodes.clear()
             self._servfail.clear()
             self._drop.clear()
+            self._authentic.clear()
             self.queries.clear()
 
     def queried(self, name: str | None = None, qtype: str | None = None) -> list[Query]:
@@ -199,6 +226,9 @@ class DNSZone:
                 rdatas = node.records.get(qtype, [])
             for rdata in rdatas:
                 reply.add_answer(RR(owner, getattr(QTYPE, qtype), rdata=rdata, ttl=self.ttl))
+            # reply() copies the query's flags, AD included (RFC 6840 §5.7 lets a
+            # client set it to ask): only data marked authentic keeps it.
+            reply.header.ad = int(self._fails(self._authentic, owner, qtype))
             if not rdatas:
                 reply.add_auth(self._soa())
             return reply

@@ -31,7 +31,13 @@ Behaviour knobs (``SinkBehaviour`` fields, passed as keywords):
   seconds before the reply (for client timeouts; "DATA" is the final reply);
 - ``drop_after_data={3}``: after receiving the 3rd message (1-based, per
   sink) hang up without replying;
-- any reply starting with ``421`` hangs up after it is sent.
+- any reply starting with ``421`` hangs up after it is sent;
+- ``auth={"user": "pass"}``: offer AUTH PLAIN/LOGIN (``auth_mechanisms``),
+  only inside TLS unless ``auth_require_tls=False``; ``auth_required`` makes
+  MAIL need it; attempts are recorded in ``auth_attempts``;
+- ``implicit_tls=True``: TLS from the first byte (port 465 style);
+- ``certificate=(cert, key)`` (a factory keyword): serve that certificate
+  (e.g. issued by a test's trustme CA) instead of the default self-signed one.
 
 Nothing listening is the way to refuse connections: pass ``refuse=True`` to
 get a sink object that is never started, or just point a target at an
@@ -60,7 +66,7 @@ from pathlib import Path
 import pytest
 import trustme
 from aiosmtpd.controller import Controller
-from aiosmtpd.smtp import SMTP
+from aiosmtpd.smtp import SMTP, AuthResult
 
 SINK_HOSTS = tuple(f"127.0.0.{i}" for i in range(2, 10))
 DSN_PARAMS = ("RET", "ENVID", "NOTIFY", "ORCPT")
@@ -85,6 +91,13 @@ class SinkBehaviour:
     data_reply: str | None = None
     delays: Mapping[str, float] = field(default_factory=dict)
     drop_after_data: Collection[int] = ()
+    # AUTH (aiosmtpd's PLAIN and LOGIN): username -> password; empty: no AUTH.
+    auth: Mapping[str, str] = field(default_factory=dict)
+    auth_required: bool = False  # 530 to MAIL before a successful AUTH
+    auth_require_tls: bool = True  # AUTH offered only inside TLS
+    auth_mechanisms: Collection[str] = ("PLAIN", "LOGIN")
+    # TLS from the first byte (port 465 style) instead of STARTTLS.
+    implicit_tls: bool = False
 
 
 @dataclass
@@ -303,7 +316,7 @@ class _SinkHandler:
             rcpt_options=list(getattr(envelope, "raw_rcpt_options", [])),
             data=envelope.original_content,
             connection=server.conn_id,
-            tls=session.ssl is not None,
+            tls=session.ssl is not None or self.sink.behaviour.implicit_tls,
         )
         ordinal = self.sink._data_received()
         if ordinal in self.b.drop_after_data:
@@ -356,6 +369,8 @@ class Sink:
         self._cond = threading.Condition()
         self._controller: _SinkController | None = None
         self._live: set[_SinkSMTP] = set()  # open sessions (touched in the sink thread)
+        # (mechanism, login, success) per AUTH attempt
+        self.auth_attempts: list[tuple[str, str, bool]] = []
 
     # life cycle -----------------------------------------------------------------
 
@@ -367,8 +382,19 @@ class Sink:
             "data_size_limit": self.behaviour.size_limit or None,
             "ready_timeout": 5.0,
         }
-        if self.tls_context is not None:
+        b = self.behaviour
+        if self.tls_context is not None and b.implicit_tls:
+            kwargs["ssl_context"] = self.tls_context
+        elif self.tls_context is not None:
             kwargs["tls_context"] = self.tls_context
+        if b.auth:
+            kwargs["authenticator"] = self._authenticate
+            kwargs["auth_required"] = b.auth_required
+            # aiosmtpd counts only STARTTLS as TLS; an implicit-TLS session is one too.
+            kwargs["auth_require_tls"] = b.auth_require_tls and not b.implicit_tls
+            kwargs["auth_exclude_mechanism"] = [
+                m for m in ("PLAIN", "LOGIN") if m not in b.auth_mechanisms
+            ]
         self._controller = _SinkController(self, **kwargs)
         self._controller.start()
         self.started = True
@@ -392,6 +418,14 @@ class Sink:
             if session.transport is not None:
                 session.transport.abort()
         done.set()
+
+    def _authenticate(self, server, session, envelope, mechanism, auth_data) -> AuthResult:
+        login = auth_data.login.decode("utf-8", "replace")
+        password = auth_data.password.decode("utf-8", "replace")
+        ok = self.behaviour.auth.get(login) == password
+        with self._cond:
+            self.auth_attempts.append((mechanism, login, ok))
+        return AuthResult(success=ok, handled=False)
 
     # bookkeeping (called from the sink's thread) ----------------------------------
 
@@ -488,12 +522,17 @@ def sink_factory(smtp_port: int, request: pytest.FixtureRequest) -> Iterator[Cal
     sinks: list[Sink] = []
 
     def factory(
-        host: str = "127.0.0.2", port: int | None = None, *, refuse: bool = False, **behaviour
+        host: str = "127.0.0.2",
+        port: int | None = None,
+        *,
+        refuse: bool = False,
+        certificate: tuple[Path, Path] | None = None,
+        **behaviour,
     ) -> Sink:
         b = SinkBehaviour(**behaviour)
         tls_context = None
-        if b.tls or b.tls_broken:
-            cert, key = request.getfixturevalue("sink_certificate")
+        if b.tls or b.tls_broken or b.implicit_tls:
+            cert, key = certificate or request.getfixturevalue("sink_certificate")
             tls_context = _server_tls_context(cert, key)
         sink = Sink(host, smtp_port if port is None else port, b, tls_context)
         if not refuse:

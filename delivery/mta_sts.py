@@ -1,0 +1,243 @@
+"""MTA-STS (RFC 8461): a domain's published wish that mail to it use verified TLS.
+
+For a domain routed by DNS (MX records), before a delivery round:
+
+1. the ``_mta-sts.<domain>`` TXT record (``v=STSv1; id=...``) says whether the
+   domain has a policy and which version;
+2. the policy is fetched over HTTPS from
+   ``https://mta-sts.<domain>/.well-known/mta-sts.txt`` (certificate verified
+   against ``MAILRELAY_TLS_CA_FILE`` or the system store; no redirects;
+   bounded by ``MAILRELAY_MTA_STS_FETCH_TIMEOUT``), and cached in the database
+   (``queues.models.MtaStsPolicy``) for its ``max_age``; it is fetched again
+   when the TXT id changes;
+3. a failed lookup or fetch keeps using a cached policy that has not expired
+   (§5.1), or applies none.
+
+``mode: enforce`` means the MX host must match one of the policy's ``mx``
+patterns and TLS must verify (``delivery.tls_policy`` turns that into a
+requirement per host); ``testing`` means deliver anyway and report; ``none``
+means no policy.
+
+The host name ``mta-sts.<domain>`` is resolved through the relay's own
+resolver (``MAILRELAY_DNS_NAMESERVERS``), so tests can point it at a loopback
+HTTPS server; ``MAILRELAY_MTA_STS_PORT`` (test-only, default 443) sets its port.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import re
+import socket
+import ssl
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import dns.exception
+import dns.resolver
+from django.conf import settings
+
+from queues.units import seconds
+
+log = logging.getLogger(__name__)
+
+WELL_KNOWN = "/.well-known/mta-sts.txt"
+MODES = ("enforce", "testing", "none")
+# RFC 8461 §3.2: max_age is at most 31557600 (about a year).
+MAX_AGE_LIMIT = 31_557_600
+# A policy is a few lines; a bigger answer is not a policy (§3.3 suggests 64 KiB).
+MAX_POLICY_BYTES = 64 * 1024
+_ID = re.compile(r"^[A-Za-z0-9]{1,32}$")
+
+
+@dataclass(frozen=True)
+class StsPolicy:
+    domain: str
+    policy_id: str
+    mode: str  # enforce / testing / none
+    mx: tuple[str, ...]
+    max_age: int
+
+    def mx_matches(self, host: str) -> bool:
+        return any(mx_matches(host, pattern) for pattern in self.mx)
+
+
+class PolicyError(ValueError):
+    """A policy (TXT record or file) that does not follow RFC 8461."""
+
+
+def mx_matches(host: str, pattern: str) -> bool:
+    """RFC 8461 §4.1: ``mail.example.com`` matches itself; ``*.example.com``
+    matches exactly one more label on the left."""
+    host = host.rstrip(".").lower()
+    pattern = pattern.rstrip(".").lower()
+    if pattern.startswith("*."):
+        label, _, rest = host.partition(".")
+        return bool(label) and rest == pattern[2:]
+    return host == pattern
+
+
+def parse_txt(texts: list[str]) -> str | None:
+    """The policy id of the ``_mta-sts`` TXT records, or None when there is no
+    (single, valid) STSv1 record (§3.1: several mean no policy)."""
+    records = [t for t in texts if t.startswith("v=STSv1")]
+    if len(records) != 1:
+        return None
+    fields = dict(
+        part.strip().partition("=")[::2] for part in records[0].split(";") if part.strip()
+    )
+    policy_id = fields.get("id", "").strip()
+    return policy_id if _ID.match(policy_id) else None
+
+
+def parse_policy(domain: str, policy_id: str, text: str) -> StsPolicy:
+    """The policy file (``key: value`` lines, §3.2); raises PolicyError."""
+    fields: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), []).append(value.strip())
+    if fields.get("version") != ["STSv1"]:
+        raise PolicyError(f"MTA-STS policy of {domain}: version is not STSv1")
+    mode = (fields.get("mode") or [""])[0].lower()
+    if mode not in MODES:
+        raise PolicyError(f"MTA-STS policy of {domain}: unknown mode {mode!r}")
+    age = (fields.get("max_age") or [""])[0]
+    if not age.isdigit():
+        raise PolicyError(f"MTA-STS policy of {domain}: max_age {age!r} is not a number")
+    mx = tuple(p.lower() for p in fields.get("mx", []))
+    if mode != "none" and not mx:
+        raise PolicyError(f"MTA-STS policy of {domain}: no mx pattern")
+    return StsPolicy(domain, policy_id, mode, mx, min(int(age), MAX_AGE_LIMIT))
+
+
+def check_chain(chain: list[bytes], host: str, ca_file: str) -> str:
+    """Why the certificate chain (DER, leaf first) would not pass an ``enforce``
+    policy for ``host``, or "" when it would: for ``testing`` policies, whose
+    sessions are not verified but whose failures are reported (RFC 8461 §5)."""
+    from cryptography.x509 import (
+        DNSName,
+        SubjectAlternativeName,
+        load_der_x509_certificate,
+        load_pem_x509_certificates,
+    )
+    from cryptography.x509.verification import Criticality, ExtensionPolicy, PolicyBuilder, Store
+
+    if not chain:
+        return "no certificate"
+    bundle = ca_file or ssl.get_default_verify_paths().cafile
+    if not bundle:
+        return ""  # nothing to check against: say nothing rather than guess
+    try:
+        with open(bundle, "rb") as fh:
+            store = Store(load_pem_x509_certificates(fh.read()))
+        # The chain and the name as OpenSSL checks them for "enforce"; the
+        # leaf's other extensions are not held to the Web PKI's stricter rules.
+        ee = ExtensionPolicy.permit_all().require_present(
+            SubjectAlternativeName, Criticality.AGNOSTIC, None
+        )
+        builder = (
+            PolicyBuilder()
+            .store(store)
+            .extension_policies(ca_policy=ExtensionPolicy.webpki_defaults_ca(), ee_policy=ee)
+        )
+        verifier = builder.build_server_verifier(DNSName(host))
+        certs = [load_der_x509_certificate(der) for der in chain]
+        verifier.verify(certs[0], certs[1:])
+    except Exception as exc:  # noqa: BLE001 - VerificationError, bad certificate, unreadable CA
+        return f"certificate of {host} does not verify: {exc}"
+    return ""
+
+
+def _txt_id(resolver: dns.resolver.Resolver, domain: str) -> str | None:
+    answer = resolver.resolve(f"_mta-sts.{domain}", "TXT", raise_on_no_answer=False)
+    if answer.rrset is None:
+        return None
+    texts = [b"".join(r.strings).decode("ascii", "replace") for r in answer.rrset]
+    return parse_txt(texts)
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to a name resolved by us: connect to ``ip`` and verify ``host``."""
+
+    def __init__(self, host: str, ip: str, port: int, context: ssl.SSLContext, timeout: float):
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._ip = ip
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self._ip, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+
+
+def fetch_text(resolver: dns.resolver.Resolver, domain: str) -> str:
+    """The policy file of ``domain`` over verified HTTPS; raises on any failure."""
+    host = f"mta-sts.{domain}"
+    timeout = seconds(settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT)
+    ip = resolver.resolve(host, "A")[0].address
+    context = ssl.create_default_context(cafile=settings.MAILRELAY_TLS_CA_FILE or None)
+    conn = _PinnedHTTPS(host, ip, settings.MAILRELAY_MTA_STS_PORT, context, timeout)
+    try:
+        conn.request("GET", WELL_KNOWN, headers={"Host": host, "User-Agent": "mailrelay"})
+        response = conn.getresponse()
+        if response.status != 200:  # §3.3: redirects are not followed
+            raise PolicyError(f"{host}{WELL_KNOWN} answered HTTP {response.status}")
+        body = response.read(MAX_POLICY_BYTES + 1)
+        if len(body) > MAX_POLICY_BYTES:
+            raise PolicyError(f"{host}{WELL_KNOWN} is larger than {MAX_POLICY_BYTES} bytes")
+        return body.decode("utf-8", "replace")
+    finally:
+        conn.close()
+
+
+def _cached(domain: str, now: datetime) -> tuple[StsPolicy | None, object | None]:
+    from queues.models import MtaStsPolicy
+
+    row = MtaStsPolicy.objects.filter(domain=domain).first()
+    if row is None or row.expires_at <= now:
+        return None, row
+    return StsPolicy(domain, row.policy_id, row.mode, tuple(row.mx), row.max_age), row
+
+
+def _store(policy: StsPolicy, text: str, now: datetime) -> None:
+    from queues.models import MtaStsPolicy
+
+    MtaStsPolicy.objects.update_or_create(
+        domain=policy.domain,
+        defaults={
+            "policy_id": policy.policy_id,
+            "mode": policy.mode,
+            "mx": list(policy.mx),
+            "max_age": policy.max_age,
+            "text": text,
+            "fetched_at": now,
+            "expires_at": now + timedelta(seconds=policy.max_age),
+        },
+    )
+
+
+def policy_for(resolver: dns.resolver.Resolver, domain: str, now: datetime) -> StsPolicy | None:
+    """The MTA-STS policy that applies to ``domain`` now, or None.
+
+    Steps: TXT id; a cached, unexpired policy with that id is used as is;
+    otherwise fetch, parse and cache it. A failed TXT lookup or fetch falls
+    back to the cached policy while it has not expired (RFC 8461 §5.1).
+    """
+    domain = domain.rstrip(".").lower()
+    cached, _row = _cached(domain, now)
+    try:
+        policy_id = _txt_id(resolver, domain)
+    except dns.exception.DNSException as exc:
+        log.info("MTA-STS TXT lookup for %s failed (%s); cached policy: %s", domain, exc, cached)
+        return cached
+    if policy_id is None:
+        return cached  # §5.1: a removed record does not end a cached policy early
+    if cached is not None and cached.policy_id == policy_id:
+        return cached
+    try:
+        text = fetch_text(resolver, domain)
+        policy = parse_policy(domain, policy_id, text)
+    except Exception as exc:  # noqa: BLE001 - DNS, TLS, HTTP, parse: all "no new policy"
+        log.warning("MTA-STS policy of %s could not be fetched: %s", domain, exc)
+        return cached
+    _store(policy, text, now)
+    return policy if policy.mode != "none" else None
