@@ -932,13 +932,18 @@ class InboundSMTP(AiosmtpdSession):
             await self.push(replies.AUTH_BAD_BASE64)
         return decoded
 
-    async def _plain(self, initial: str | None) -> tuple[str, str] | None:
+    async def _first_response(self, initial: str | None, prompt: bytes):
+        """The client's first answer: given with AUTH (RFC 4954 initial response)
+        or asked for with ``prompt``; None after a bad or aborted answer."""
         if initial is None:
-            response = await self._challenge(b"")
-        else:
-            response = decode_base64(initial)
-            if response is None:
-                await self.push(replies.AUTH_BAD_BASE64)
+            return await self._challenge(prompt)
+        decoded = decode_base64(initial)
+        if decoded is None:
+            await self.push(replies.AUTH_BAD_BASE64)
+        return decoded
+
+    async def _plain(self, initial: str | None) -> tuple[str, str] | None:
+        response = await self._first_response(initial, b"")
         if response is None:
             return None
         credentials = plain_credentials(response)
@@ -947,12 +952,7 @@ class InboundSMTP(AiosmtpdSession):
         return credentials
 
     async def _login(self, initial: str | None) -> tuple[str, str] | None:
-        if initial is None:
-            username = await self._challenge(b"Username:")
-        else:
-            username = decode_base64(initial)
-            if username is None:
-                await self.push(replies.AUTH_BAD_BASE64)
+        username = await self._first_response(initial, b"Username:")
         if username is None:
             return None
         password = await self._challenge(b"Password:")
