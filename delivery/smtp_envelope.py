@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from delivery import classify as c
 from delivery.types import OutboundMessage, OutboundRecipient
+from queues.headers import header_end
 
 CRLF = b"\r\n"
 DATA_LINE = b"DATA\r\n"
@@ -83,9 +84,7 @@ def needs_smtputf8(msg: OutboundMessage, data: bytes) -> bool:
     if any(not r.address.isascii() for r in msg.recipients):
         return True
     if msg.smtputf8:
-        end = data.find(b"\r\n\r\n")
-        headers = data if end < 0 else data[:end]  # a copy of the header only
-        return not headers.isascii()
+        return not data[: header_end(data)].isascii()  # a copy of the header only
     return False
 
 
