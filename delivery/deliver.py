@@ -7,7 +7,9 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -120,7 +122,11 @@ def _read_body(message_id: int) -> bytes:
 
 
 def _exchange(
-    targets: list, messages: list[OutboundMessage], config: ClientConfig, claim: Claim
+    targets: list,
+    messages: list[OutboundMessage],
+    config: ClientConfig,
+    claim: Claim,
+    record_early: Callable[[list[RecipientResult]], None] | None = None,
 ) -> BatchResult:
     """Run the SMTP exchange of one round in an event-loop thread of its own,
     while this thread (the owner, holding the database connection) renews the
@@ -128,8 +134,11 @@ def _exchange(
 
     However long the peers take, the claim stays renewed while this process
     lives; the client stops before its next message once the claim is lost.
+    The results of finished messages are handed to ``record_early`` every
+    EARLY_RECORD_SECONDS (or EARLY_RECORD_RESULTS), so a process killed in the
+    middle of a round re-sends only what it had not recorded yet.
     """
-    requests: queue.SimpleQueue[tuple[int, concurrent.futures.Future] | None] = queue.SimpleQueue()
+    requests: queue.SimpleQueue = queue.SimpleQueue()  # body requests, sent results, None
     outcome: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
 
     async def load_body(message: OutboundMessage) -> bytes:
@@ -137,11 +146,21 @@ def _exchange(
         requests.put((message.id, future))
         return await asyncio.wrap_future(future)
 
+    def on_sent(results: list[RecipientResult]) -> None:
+        requests.put(("sent", results))
+
     def run() -> None:
         try:
             outcome.set_result(
                 asyncio.run(
-                    deliver(targets, messages, config, still_owner=claim.held, load_body=load_body)
+                    deliver(
+                        targets,
+                        messages,
+                        config,
+                        still_owner=claim.held,
+                        load_body=load_body,
+                        on_sent=on_sent if record_early is not None else None,
+                    )
                 )
             )
         except BaseException as exc:  # noqa: BLE001 - handed to the owner thread
@@ -149,16 +168,38 @@ def _exchange(
         finally:
             requests.put(None)
 
+    sent: list[RecipientResult] = []
+    sent_since = 0.0
+
+    def flush() -> None:
+        nonlocal sent
+        if sent and record_early is not None:
+            record_early(sent)
+            sent = []
+
     loop_thread = threading.Thread(target=run, name="smtp-round", daemon=True)
     loop_thread.start()
     while True:
+        wait = claim.seconds_to_renewal()
+        if sent:
+            wait = min(wait, sent_since + EARLY_RECORD_SECONDS - time.monotonic())
         try:
-            item = requests.get(timeout=max(0.01, claim.seconds_to_renewal()))
+            item = requests.get(timeout=max(0.01, wait))
         except queue.Empty:
             claim.renew_if_due()
+            if sent and time.monotonic() - sent_since >= EARLY_RECORD_SECONDS:
+                flush()
             continue
         if item is None:
             break
+        if item[0] == "sent":
+            if not sent:
+                sent_since = time.monotonic()
+            sent.extend(item[1])
+            if len(sent) >= EARLY_RECORD_RESULTS:
+                flush()
+            claim.renew_if_due()
+            continue
         message_id, future = item
         try:
             future.set_result(while_connected(claim, lambda mid=message_id: _read_body(mid)))
@@ -167,6 +208,12 @@ def _exchange(
         claim.renew_if_due()
     loop_thread.join()
     return outcome.result()
+
+
+# A round records its finished messages this often (and every so many results)
+# while it goes on, so a crash costs a second copy of only what was not recorded.
+EARLY_RECORD_SECONDS = 0.25
+EARLY_RECORD_RESULTS = 50
 
 
 def _unattempted(
@@ -333,7 +380,7 @@ def _decide(
     return rnd
 
 
-def _record(link: Link, batch: BatchResult, owner: str) -> None:
+def _record(link: Link, batch: BatchResult, owner: str, *, final: bool = True) -> None:
     """Record one round's outcome: read what it needs, decide (``_decide``),
     write it all in one transaction (``_write``)."""
     now = clock.now()
@@ -352,7 +399,7 @@ def _record(link: Link, batch: BatchResult, owner: str) -> None:
     )
     hints = retry.stored_hints(f for f in batch.host_failures if f.host)
     rnd = _decide(link, batch, rows, senders, hints, now)
-    _write(rnd, link, batch, claimed, owner)
+    _write(rnd, link, batch, claimed, owner, final=final)
 
 
 _RECIPIENT_READ_FIELDS = (
@@ -369,7 +416,9 @@ _RECIPIENT_READ_FIELDS = (
 )
 
 
-def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> None:
+def _write(
+    rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str, *, final: bool = True
+) -> None:
     """Write what ``_decide`` decided, in one transaction, only to rows the round
     still owns: attempts, recipients, retry data, the NDRs and "relayed" DSNs
     owed, problem-message counters, finished messages, the link and its queues."""
@@ -393,9 +442,10 @@ def _write(rnd: _Round, link: Link, batch: BatchResult, claimed, owner: str) -> 
                     row.queue_id = dead_letter.pk
         Attempt.objects.bulk_create(rnd.attempts)
         Recipient.objects.record(rows.values(), RECIPIENT_UPDATE_FIELDS)
-        # Claimed but never tried (the round stopped when it lost its claim,
-        # or a peer never got to them): waiting again, due now.
-        Recipient.objects.owned_by(owner).release(now)
+        if final:
+            # Claimed but never tried (the round stopped when it lost its claim,
+            # or a peer never got to them): waiting again, due now.
+            Recipient.objects.owned_by(owner).release(now)
         retry.store_hints(rnd.hints)
         retry.forget_hints(rnd.cleared_hints)
         _notify_round(rnd)
@@ -523,7 +573,13 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
     else:
         planned = _with_tls(link, hops, messages, targets, config)
         if isinstance(planned, ClientConfig):
-            batch = _exchange(targets, messages, planned, claim)
+            batch = _exchange(
+                targets,
+                messages,
+                planned,
+                claim,
+                lambda done: _record_early(link, done, owner, claim),
+            )
             _report_tls(batch)
         else:
             batch = _unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
@@ -570,6 +626,19 @@ def _report_tls(batch: BatchResult) -> None:
             kind="mta_sts",
             text=f"MTA-STS (testing): {text}; delivered anyway",
         )
+
+
+def _record_early(link: Link, results: list[RecipientResult], owner: str, claim: Claim) -> None:
+    """Record finished messages while the round goes on (a peer answered, so the
+    link is reachable); the round's final record skips them, as they are no
+    longer the round's. A failure here is not fatal: the final record retries."""
+    try:
+        while_connected(
+            claim,
+            lambda: _record(link, BatchResult(list(results), connected=True), owner, final=False),
+        )
+    except Exception:  # noqa: BLE001 - the final record writes them
+        log.exception("recording finished messages of link %s early failed", link.pk)
 
 
 def _record_crash(owner: str) -> None:

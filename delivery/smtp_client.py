@@ -901,6 +901,7 @@ class _TargetState:
 
 StillOwner = Callable[[], bool]
 LoadBody = Callable[[OutboundMessage], Awaitable[bytes]]
+OnSent = Callable[[list[RecipientResult]], None]
 
 
 class _Batch:
@@ -910,11 +911,13 @@ class _Batch:
         config: ClientConfig,
         still_owner: StillOwner | None = None,
         load_body: LoadBody | None = None,
+        on_sent: OnSent | None = None,
     ) -> None:
         self.targets = list(targets)
         self.config = config
         self.still_owner = still_owner
         self.load_body = load_body
+        self.on_sent = on_sent
         # still_owner() said False once: nothing new starts from then on.
         self.abandoned = False
         self.states = [_TargetState() for _ in self.targets]
@@ -1160,7 +1163,10 @@ class _Batch:
                     security=conn.security,
                 )
                 await conn.send(remaining[0], rec, self.load_body)
-                self.results.extend(rec.results())
+                done = rec.results()
+                self.results.extend(done)
+                if self.on_sent is not None and done:
+                    self.on_sent(done)  # recorded now, not only when the round ends
                 remaining.popleft()
                 rec = None
             await conn.quit()
@@ -1229,6 +1235,7 @@ async def deliver(
     *,
     still_owner: StillOwner | None = None,
     load_body: LoadBody | None = None,
+    on_sent: OnSent | None = None,
 ) -> BatchResult:
     """Deliver ``messages`` to one destination, trying ``targets`` in order.
 
@@ -1243,6 +1250,11 @@ async def deliver(
     when its transaction is over: at most one body per open connection. When
     it raises, that message is deferred (4.3.0) and the session goes on.
 
+    ``on_sent(results)`` (cheap, synchronous) is called with a message's
+    results as soon as its transaction is over, so the caller can record a
+    delivery before the round ends (a crash then re-sends less); the
+    returned ``BatchResult`` still holds every result.
+
     Steps:
     1. split the messages into balanced groups of at most
        ``max_messages_per_connection``, one group per connection;
@@ -1255,7 +1267,7 @@ async def deliver(
 
     Never raises for network problems; cancellation propagates.
     """
-    batch = _Batch(targets, config, still_owner, load_body)
+    batch = _Batch(targets, config, still_owner, load_body, on_sent)
     groups = deque(_split_groups(messages, config.max_messages_per_connection))
 
     async def worker() -> None:

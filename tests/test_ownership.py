@@ -277,3 +277,42 @@ def test_a_round_survives_its_database_connection_being_cut(relay, sink_factory)
     assert sorted(m.rcpt_tos[0] for m in sink.messages) == [f"u{i}@example.net" for i in range(3)]
     assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
     assert Attempt.objects.count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_records_finished_messages_while_it_goes_on(relay, sink_factory, settings):
+    """Deliveries are recorded while the round still sends (every quarter of a second),
+    so a worker killed in the middle of a round re-sends only what it had not
+    recorded yet, not the whole round."""
+    from django.db import connection
+
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2", delays={"DATA": 0.4})
+    for i in range(6):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    seen: list[tuple[int, int]] = []  # (at the sink, delivered in the database)
+
+    def watch() -> None:
+        try:
+            while len(sink.messages) < 6:
+                at_sink = len(sink.messages)
+                recorded = Recipient.objects.filter(state=RecipientState.DELIVERED).count()
+                seen.append((at_sink, recorded))
+                time.sleep(0.05)
+        finally:
+            connection.close()
+
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1  # one message after the other
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert deliver_link(link.pk) == 6
+    finally:
+        watcher.join()
+    # While the sink had not yet all six, some were already recorded delivered.
+    assert any(recorded >= 2 and at_sink < 6 for at_sink, recorded in seen), seen
+    assert Attempt.objects.count() == 6  # each attempt recorded once
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
