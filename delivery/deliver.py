@@ -81,32 +81,51 @@ def claim_round(link_id: int, owner: str, limit: int) -> list[int]:
     )
 
 
+# Small bodies are read with the round's envelopes, in the same query, up to
+# PRELOAD_BYTES in all (one query instead of one per message, for the usual
+# small mail); larger ones are read one at a time when sent (_read_body).
+PRELOAD_MESSAGE_BYTES = 64 * 1024
+PRELOAD_BYTES = 4 * 1024 * 1024
+
+
 def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
-    """The round's envelopes; bodies are read one at a time when sent (_read_body)."""
+    """The round's envelopes, with the bodies of its small messages (see
+    PRELOAD_BYTES); the others are read when sent."""
     rows = Recipient.objects.filter(id__in=recipient_ids).order_by("message_id", "id")
     by_message: dict[int, list[OutboundRecipient]] = defaultdict(list)
     for rid, mid, address, orcpt, notify_ in rows.values_list(
         "id", "message_id", "address", "orcpt", "notify"
     ):
         by_message[mid].append(OutboundRecipient(rid, address, orcpt, notify_))
-    messages = []
-    for m in Message.objects.filter(id__in=list(by_message)).values(
-        "id", "mail_from", "body_type", "smtputf8", "ret", "envid"
-    ):
-        messages.append(
-            OutboundMessage(
-                id=m["id"],
-                mail_from=m["mail_from"],
-                data=None,
-                recipients=by_message[m["id"]],
-                body_type=m["body_type"],
-                smtputf8=m["smtputf8"],
-                ret=m["ret"],
-                envid=m["envid"],
-            )
+    envelopes = list(
+        Message.objects.filter(id__in=list(by_message))
+        .order_by("id")
+        .values("id", "mail_from", "body_type", "smtputf8", "ret", "envid", "size")
+    )
+    preload, budget = [], PRELOAD_BYTES
+    for m in envelopes:
+        if m["size"] <= PRELOAD_MESSAGE_BYTES and m["size"] <= budget:
+            preload.append(m["id"])
+            budget -= m["size"]
+    bodies: dict[int, bytes] = {}
+    if preload:
+        for mid, signature, data in Message.objects.filter(id__in=preload).values_list(
+            "id", "signature", "data"
+        ):
+            bodies[mid] = b"".join((signature, data)) if signature else bytes(data)
+    return [
+        OutboundMessage(
+            id=m["id"],
+            mail_from=m["mail_from"],
+            data=bodies.get(m["id"]),
+            recipients=by_message[m["id"]],
+            body_type=m["body_type"],
+            smtputf8=m["smtputf8"],
+            ret=m["ret"],
+            envid=m["envid"],
         )
-    messages.sort(key=lambda m: m.id)
-    return messages
+        for m in envelopes
+    ]
 
 
 def _read_body(message_id: int) -> bytes:
