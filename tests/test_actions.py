@@ -342,7 +342,6 @@ def test_removing_with_ndr_asks_for_a_report_on_the_removed_recipients_only(oper
 
 
 def test_removing_with_ndr_sends_the_report_to_the_sender(relay, sink_factory, operator):
-    pytest.importorskip("queues.services.notify")
     relay.a("example.org", "127.0.0.2")
     sink = sink_factory("127.0.0.2")
     queue = make_queue()

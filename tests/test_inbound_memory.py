@@ -27,9 +27,6 @@ from queues.models import Message
 from tests.support import processes
 
 MB = 1024 * 1024
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc memory counters"
-)
 
 
 def make_message(size: int, tag: str, *, all_header: bool = False) -> bytes:
