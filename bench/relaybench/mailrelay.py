@@ -12,6 +12,11 @@ logs in the run's temporary directory):
 all with MAILRELAY_SMART_HOST=[127.0.0.1]:<sink port>,
 MAILRELAY_HOSTNAME=bench.local, DATABASE_URL and CELERY_BROKER_URL.
 
+With ``dkim`` ("rsa" or "ed25519", ``--dkim``) a key for the sender's domain
+is made with ``manage.py dkim generate <domain> --selector bench [--ed25519]
+--dir <run dir>/dkim`` and the relay starts with MAILRELAY_DKIM_KEYS_DIR
+pointing there, so ``runsmtp`` signs every message at accept.
+
 Between phases the message tables are emptied (TRUNCATE; queues and links
 stay) so every phase starts from the same state; ``verify`` reads the
 database directly with psycopg.
@@ -39,6 +44,8 @@ DB_NAME = "mailrelay_bench"
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DB_URL = f"postgres://postgres@127.0.0.1:5432/{DB_NAME}"
 REDIS_URL = "redis://127.0.0.1:6379/13"
+DKIM_ALGORITHMS = ("none", "rsa", "ed25519")
+DKIM_SELECTOR = "bench"
 MESSAGE_TABLES = ("queues_attempt", "queues_event", "queues_recipient", "queues_message")
 PG_STATS = (
     "sessions",
@@ -121,6 +128,31 @@ class Mailrelay:
         }
 
     # -- set-up -----------------------------------------------------------------------
+    def use_dkim(self, algorithm: str, domain: str) -> Path | None:
+        """Generate a ``algorithm`` key for ``domain`` and have the relay sign with it.
+
+        Call before ``start``; returns the key file (None for "none").
+        """
+        if algorithm not in DKIM_ALGORITHMS:
+            raise ValueError(f"unknown DKIM algorithm {algorithm!r}")
+        if algorithm == "none":
+            return None
+        keys = self.run_dir / "dkim"
+        cmd = [str(self.python), "manage.py", "dkim", "generate", domain]
+        cmd += ["--selector", DKIM_SELECTOR, "--dir", str(keys)]
+        if algorithm == "ed25519":
+            cmd.append("--ed25519")
+        out = subprocess.run(
+            cmd, cwd=self.repo, env=self.env, capture_output=True, text=True, timeout=120
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"manage.py dkim generate failed:\n{out.stdout}\n{out.stderr}")
+        files = sorted(keys.glob(f"*.{DKIM_SELECTOR}.key"))
+        if not files:
+            raise RuntimeError(f"manage.py dkim generate wrote no key into {keys}")
+        self.env["MAILRELAY_DKIM_KEYS_DIR"] = str(keys)
+        return files[0]
+
     def prepare_database(self) -> None:
         with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")

@@ -55,6 +55,8 @@ discard   unix  -       -       n       -       -       discard
 anvil     unix  -       -       n       -       1       anvil
 scache    unix  -       -       n       -       1       scache
 postlog   unix-dgram n  -       n       -       1       postlogd
+# the TLS session cache and PRNG; without it smtp disables TLS (--sink-tls)
+tlsmgr    unix  -       -       n       1000?   1       tlsmgr
 """
 
 MAIN_CF = """\
@@ -76,7 +78,7 @@ local_recipient_maps =
 local_transport = error:5.1.1 no local delivery here
 alias_maps =
 alias_database =
-smtp_tls_security_level = none
+smtp_tls_security_level = {smtp_tls}
 smtpd_tls_security_level = none
 enable_long_queue_ids = yes
 maillog_file = {base}/maillog
@@ -100,8 +102,10 @@ def system_postfix_running() -> bool:
 
 
 class PostfixInstance:
-    def __init__(self, base: Path, port: int, sink_port: int) -> None:
+    def __init__(self, base: Path, port: int, sink_port: int, smtp_tls: str = "none") -> None:
+        """``smtp_tls``: smtp_tls_security_level, "may" when the sink offers STARTTLS."""
         self.base = base
+        self.smtp_tls = smtp_tls
         self.etc = base / "etc"
         self.spool = base / "spool"
         self.port = port
@@ -125,7 +129,9 @@ class PostfixInstance:
         pf = pwd.getpwnam("postfix")
         os.chown(self.base / "data", pf.pw_uid, pf.pw_gid)
         (self.base / "data").chmod(0o700)
-        (self.etc / "main.cf").write_text(MAIN_CF.format(base=self.base, sink_port=self.sink_port))
+        (self.etc / "main.cf").write_text(
+            MAIN_CF.format(base=self.base, sink_port=self.sink_port, smtp_tls=self.smtp_tls)
+        )
         (self.etc / "master.cf").write_text(MASTER_CF.format(port=self.port))
         # Creates the queue's subdirectories with the right owners, checks the config.
         self._postfix("check")
