@@ -726,7 +726,7 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
                 if not count:
                     break
                 handled += count
-                claim.renew()  # between rounds too: a lost link ends the task
+                claim.renew_if_due()  # between rounds too: a lost link ends the task
         finally:
             holder.round = None
             link_release(link_id, holder.owner)

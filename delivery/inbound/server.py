@@ -927,7 +927,11 @@ class InboundSMTP(AiosmtpdSession):
         if answer == b"*":
             await self.push(replies.AUTH_ABORTED)
             return None
-        decoded = decode_base64(answer.decode("ascii", "replace"))
+        return await self._decoded(answer.decode("ascii", "replace"))
+
+    async def _decoded(self, text: str) -> bytes | None:
+        """``text`` decoded from base64; None (and 501) when it is not base64."""
+        decoded = decode_base64(text)
         if decoded is None:
             await self.push(replies.AUTH_BAD_BASE64)
         return decoded
@@ -937,10 +941,7 @@ class InboundSMTP(AiosmtpdSession):
         or asked for with ``prompt``; None after a bad or aborted answer."""
         if initial is None:
             return await self._challenge(prompt)
-        decoded = decode_base64(initial)
-        if decoded is None:
-            await self.push(replies.AUTH_BAD_BASE64)
-        return decoded
+        return await self._decoded(initial)
 
     async def _plain(self, initial: str | None) -> tuple[str, str] | None:
         response = await self._first_response(initial, b"")
