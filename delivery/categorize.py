@@ -32,6 +32,7 @@ from queues.models import (
 )
 from queues.services.notify import notify
 from queues.services.placement import queue_for_route, special_queue
+from tracking import hooks as tracking
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
                     outcome=AttemptOutcome.FAILED if error.permanent else AttemptOutcome.DEFERRED,
                 )
             )
+    tracking.placed(placements, now)  # received / routed rows, one INSERT per batch
     Attempt.objects.bulk_create(failed)
     counters.record_delivery(failed)
     _notify_failures(failed_ids, now)

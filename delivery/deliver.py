@@ -21,6 +21,7 @@ from delivery import retry, tls_policy
 from delivery.categorize import park_poison, worker_id
 from delivery.ownership import Claim, while_connected
 from delivery.routing import DNS_MX, order_targets
+from delivery.shaping import gate as shaping_gate
 from delivery.smtp_client import ClientConfig, deliver
 from delivery.types import (
     BatchResult,
@@ -46,6 +47,7 @@ from queues.models import (
 )
 from queues.services.notify import notify
 from queues.services.placement import special_queue
+from tracking import hooks as tracking
 
 log = logging.getLogger(__name__)
 
@@ -460,6 +462,7 @@ def _write(
                 for row in failed:
                     row.queue_id = dead_letter.pk
         Attempt.objects.bulk_create(rnd.attempts)
+        tracking.attempted(rnd.attempts, rnd.rows, link, now)  # one row per attempt
         Recipient.objects.record(rows.values(), RECIPIENT_UPDATE_FIELDS)
         if final:
             # Claimed but never tried (the round stopped when it lost its claim,
@@ -566,13 +569,36 @@ def _notify_round(rnd: _Round) -> None:
 def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) -> int:
     """Claim, send and record one round for ``link`` as ``owner``.
 
-    Returns how many recipients the round claimed (0: nothing was due).
+    Returns how many recipients the round claimed (0: nothing was due, or the
+    shaping policy says not now: delivery.shaping.gate).
     """
+    shaped = shaping_gate.open_round(link, config, owner)
+    if shaped is None:  # no MAILRELAY_SHAPING: the built-in limits
+        return _deliver_round(link, config, owner, claim, None)
+    if shaped.refused:
+        return 0
+    try:
+        return _deliver_round(link, shaped.config, owner, claim, shaped)
+    finally:
+        shaped.close()
+
+
+def _deliver_round(
+    link: Link,
+    config: ClientConfig,
+    owner: str,
+    claim: Claim,
+    shaped: shaping_gate.ShapedRound | None,
+) -> int:
     limit = config.max_connections * config.max_messages_per_connection
+    if shaped is not None:
+        limit = shaped.limit
     ids = claim_round(link.pk, owner, limit)
     if not ids:
         return 0
     messages = _load_batch(ids)
+    if shaped is not None:
+        config = shaped.claimed(messages)
     hops = [NextHop.from_json(h) for h in link.hosts]
     targets, error = order_targets(hops)
     domain = messages[0].recipients[0].address.rpartition("@")[2] if messages else link.name
@@ -600,6 +626,8 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
                 lambda done: _record_early(link, done, owner, claim),
             )
             _report_tls(batch)
+            if shaped is not None:
+                shaped.observe(batch)
         else:
             batch = _unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
     try:
@@ -701,6 +729,7 @@ class _LinkOwner:
             return False
         if self.round is not None:
             Recipient.objects.renew(self.round, until)
+            shaping_gate.renew(self.round, until.timestamp())  # its connection slots
         return True
 
 

@@ -287,6 +287,9 @@ def scrape_registry(multiproc_dir: str | None = None) -> CollectorRegistry:
         registry.register(_Default())
     registry.register(_Mode(bool(path)))
     registry.register(StoreCollector())
+    from insight.metrics import InsightCollector  # age alerts, Retry queues, dead letters
+
+    registry.register(InsightCollector())
     return registry
 
 

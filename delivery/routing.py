@@ -512,6 +512,21 @@ def configured_hops(domain: str) -> tuple[NextHop, ...]:
     return entry[1] if entry is not None else router.smart_host
 
 
+def override_route(spec: str, queue_name: str) -> Route:
+    """The route of a queue re-routed by an operator to ``spec`` (Postfix next-hop
+    syntax, as a transport-map entry: ``[10.0.0.9]:25``, ``smarthost.example.net``).
+
+    Parsed and expanded as a configured next hop is (literal as written, other
+    hosts through their MX now), so the re-route delivers over the link of
+    exactly these hosts. Raises ValueError for a bad spec and RouteError when a
+    host name has no usable DNS data.
+    """
+    router = Router.from_settings()
+    hops = parse_next_hop(spec.strip(), router.default_port)
+    labels = " ".join(hop_label(h) for h in hops)
+    return router._make(TRANSPORT_MAP, queue_name, router._expand(hops, f"re-route to {labels}"))
+
+
 class Router:
     """Routes recipient domains: transport map, else smart host, else DNS MX.
 

@@ -129,6 +129,9 @@ class ClientConfig:
     # credentials (None: no AUTH); see delivery.tls_policy.RoundTls.
     tls_for: Callable[[Peer], TlsRequirement] | None = None
     auth_for: Callable[[Peer], Credentials | None] | None = None
+    # Source addresses to bind (at most one IPv4, one IPv6; delivery.shaping):
+    # the one of the target's family is used, none of it: the system's choice.
+    source_address: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(cls) -> ClientConfig:
@@ -183,6 +186,20 @@ def _split_groups(messages: Sequence[OutboundMessage], size: int) -> list[list[O
         groups.append(list(messages[start:end]))
         start = end
     return groups
+
+
+def _local_addr(sources: Sequence[str], peer: str) -> tuple[str, int] | None:
+    """The source address of the peer's family to bind (port chosen by the system)."""
+    if not sources:
+        return None
+    try:
+        version = ipaddress.ip_address(peer.strip("[]")).version
+    except ValueError:
+        version = 4
+    for source in sources:
+        if ipaddress.ip_address(source).version == version:
+            return (source, 0)
+    return None
 
 
 def _sni(host: str) -> str | None:
@@ -993,6 +1010,7 @@ class _Batch:
                     target.ip or target.host,
                     target.port,
                     limit=READ_LIMIT,
+                    local_addr=_local_addr(cfg.source_address, target.ip or target.host),
                     ssl=_tls_context_for(req) if implicit else None,
                     server_hostname=_sni(target.host) or target.host if implicit else None,
                 )

@@ -31,6 +31,8 @@ from queues.models import (
 from queues.services.counts import queues_recount
 from queues.services.notify import notify
 from queues.services.placement import special_queue
+from queues.services.timed import end_due as end_timed_actions
+from tracking import hooks as tracking
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class SweepReport:
     expired: int = 0
     delay_dsns: int = 0
     resubmitted: int = 0
+    timed_ended: int = 0  # suspensions resumed and re-routes ended by their time
 
 
 def _reclaim_expired_claims(report: SweepReport) -> None:
@@ -152,6 +155,7 @@ def _expire(report: SweepReport) -> None:
             f"{settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT} of arrival"
         )
         Recipient.objects.expire(rows, now, dead_letter.pk, reason)
+        tracking.expired(rows, now, reason)
         by_message: dict[int, list[Recipient]] = defaultdict(list)
         for r in rows:
             by_message[r.message_id].append(r)
@@ -225,6 +229,8 @@ def reclaim() -> SweepReport:
     mail moves on within a lease and a third, not a lease and a sweep interval."""
     report = SweepReport()
     _reclaim_expired_claims(report)
+    # Timed suspensions and re-routes end here too (they ring after commit).
+    report.timed_ended = end_timed_actions(clock.now()).total
     if report.messages_reclaimed:
         report.categorizer_rung = True
         bell.ring_categorizer()
@@ -240,6 +246,7 @@ def sweep() -> SweepReport:
 
     Steps:
     1. take back claims whose lease expired (dead deliveries, dead categorizers, links);
+       resume timed suspensions and end re-routes whose time came (queues.services.timed);
     2. expire what waited past its message's expiry (NDR), send the delay DSNs
        owed, resubmit the messages of links idle in Retry for too long;
     3. send Unreachable recipients whose retry time came back to the categorizer;
@@ -250,6 +257,7 @@ def sweep() -> SweepReport:
     """
     report = SweepReport()
     _reclaim_expired_claims(report)
+    report.timed_ended = end_timed_actions(clock.now()).total
     _expire(report)
     _delay_notifications(report)
     _auto_resubmit(report)

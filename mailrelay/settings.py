@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 from kombu import Exchange, Queue
 
 from queues.domains import domain_keys
@@ -18,6 +20,7 @@ from .env import (
     env_networks,
     env_size,
     env_str,
+    parse_duration,
 )
 from .secret_key import secret_key
 
@@ -98,6 +101,8 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "queues",
     "delivery",
+    "insight",
+    "tracking",
 ]
 
 MIDDLEWARE = [
@@ -125,6 +130,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "insight.context.alerts",
             ],
         },
     },
@@ -226,13 +232,21 @@ CELERY_DB_REUSE_MAX = 100_000
 # next hop holds a delivery for its connect and greeting timeouts): `control`
 # (categorize, sweep) is served by a prefork worker, `delivery` (deliver_link)
 # by a worker with a pool of threads, as `make run` and docker-compose start
-# them. A worker started without `-Q` consumes both.
+# them. A worker started without `-Q` consumes them all.
 CELERY_TASK_DEFAULT_QUEUE = "control"
-CELERY_TASK_QUEUES = tuple(Queue(q, Exchange(q), routing_key=q) for q in ("control", "delivery"))
+CELERY_TASK_QUEUES = tuple(
+    Queue(q, Exchange(q), routing_key=q) for q in ("control", "delivery", "webhooks")
+)
 CELERY_TASK_ROUTES = {
     "delivery.tasks.categorize": {"queue": "control"},
     "delivery.tasks.sweep": {"queue": "control"},
     "delivery.tasks.deliver_link": {"queue": "delivery"},
+    # Webhooks go out from a worker of their own (tracking.sender): a slow or
+    # dead endpoint never holds routing or delivery.
+    "tracking.tasks.send_webhooks": {"queue": "webhooks"},
+    "tracking.tasks.webhook_sweep": {"queue": "control"},
+    "tracking.tasks.maintain": {"queue": "control"},
+    "insight.tasks.refresh": {"queue": "control"},
 }
 
 # --- mailrelay (every setting is documented in README.md)
@@ -272,6 +286,9 @@ MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = env_int("MAILRELAY_MAX_CONNECTIONS_P
 MAILRELAY_SMTP_CONNECT_TIMEOUT = env_duration("MAILRELAY_SMTP_CONNECT_TIMEOUT", "30s")
 MAILRELAY_SMTP_CLIENT_TIMEOUT = env_duration("MAILRELAY_SMTP_CLIENT_TIMEOUT", "5m")
 MAILRELAY_SMTP_DATA_TIMEOUT = env_duration("MAILRELAY_SMTP_DATA_TIMEOUT", "10m")
+# Traffic shaping per destination (docs/shaping.md): a YAML or TOML file, "" = off
+# (then the two limits above apply to each next hop, with no shared counters).
+MAILRELAY_SHAPING = env_str("MAILRELAY_SHAPING", "")
 
 MAILRELAY_SWEEP_INTERVAL = env_duration("MAILRELAY_SWEEP_INTERVAL", "30s")
 MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT = env_duration("MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT", "2d")
@@ -319,6 +336,34 @@ MAILRELAY_RETRY_RULES = env_str("MAILRELAY_RETRY_RULES", "")
 MAILRELAY_RETRY_INTERVAL_MAX = env_duration("MAILRELAY_RETRY_INTERVAL_MAX", "24h")
 MAILRELAY_RETRY_DATA_EXPIRE = env_duration("MAILRELAY_RETRY_DATA_EXPIRE", "7d")
 MAILRELAY_DELAY_AFTER_CUTOFF = env_bool("MAILRELAY_DELAY_AFTER_CUTOFF", True)
+
+# --- operator insight (insight/: explain, incidents, age alerts; docs/insight.md)
+# A queue whose oldest waiting message is older than this raises a warning
+# (amber), twice as old a critical alert (red); per-queue overrides as
+# "queue-name=4h,other.example=30m" (0 = no age alert for that queue).
+MAILRELAY_ALERT_OLDEST_AGE = env_duration("MAILRELAY_ALERT_OLDEST_AGE", "1h")
+MAILRELAY_ALERT_OLDEST_AGE_QUEUES: dict[str, timedelta] = {}
+for _item in env_list("MAILRELAY_ALERT_OLDEST_AGE_QUEUES"):
+    _name, _sep, _age = _item.partition("=")
+    try:
+        if not _sep or not _name.strip():
+            raise ValueError(_item)
+        MAILRELAY_ALERT_OLDEST_AGE_QUEUES[_name.strip().lower()] = parse_duration(_age.strip())
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"MAILRELAY_ALERT_OLDEST_AGE_QUEUES: {_item!r} is not queue-name=duration"
+        ) from None
+# How often the alerts are evaluated and the deferral summary refreshed (beat).
+MAILRELAY_INSIGHT_REFRESH_INTERVAL = env_duration("MAILRELAY_INSIGHT_REFRESH_INTERVAL", "30s")
+# At or above this many deferred recipients /deferrals/, /api/v1/errors/ and the
+# incidents read the refreshed summary instead of grouping live.
+MAILRELAY_INSIGHT_LIVE_LIMIT = env_int("MAILRELAY_INSIGHT_LIVE_LIMIT", 20000)
+CELERY_BEAT_SCHEDULE = {
+    "insight: evaluate alerts, refresh the deferral summary": {
+        "task": "insight.tasks.refresh",
+        "schedule": MAILRELAY_INSIGHT_REFRESH_INTERVAL.total_seconds(),
+    },
+}
 
 # --- pickup and replay folders: Exchange's Pickup and Replay directories (docs/pickup-replay.md)
 MAILRELAY_PICKUP_DIR = env_str("MAILRELAY_PICKUP_DIR", "")  # "" = off
@@ -393,3 +438,15 @@ MAILRELAY_MTA_STS_PORT = env_int("MAILRELAY_MTA_STS_PORT", 443)
 # The path of a file of "next-hop username:password [allow-cleartext]" lines;
 # with MAILRELAY_SMTP_AUTH_FILE (a mounted secret) the value is those lines.
 MAILRELAY_SMTP_AUTH = env_str("MAILRELAY_SMTP_AUTH", "")
+
+# --- message tracking and webhooks (README "Message tracking and webhooks")
+MAILRELAY_TRACKING_RETENTION = env_duration("MAILRELAY_TRACKING_RETENTION", "30d")
+MAILRELAY_EVENT_LOG = env_str("MAILRELAY_EVENT_LOG", "")  # a path, "-" (stdout) or "" (off)
+MAILRELAY_WEBHOOK_TIMEOUT = env_duration("MAILRELAY_WEBHOOK_TIMEOUT", "5s")
+MAILRELAY_WEBHOOK_RETRY_FOR = env_duration("MAILRELAY_WEBHOOK_RETRY_FOR", "24h")
+MAILRELAY_WEBHOOK_CONCURRENCY = env_int("MAILRELAY_WEBHOOK_CONCURRENCY", 4)
+# Beat: tracking partitions and retention hourly; a ring for due webhooks (a lost ring).
+CELERY_BEAT_SCHEDULE = {
+    "tracking partitions and retention": {"task": "tracking.tasks.maintain", "schedule": 3600.0},
+    "ring for due webhooks": {"task": "tracking.tasks.webhook_sweep", "schedule": 30.0},
+}

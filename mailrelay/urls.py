@@ -20,6 +20,11 @@ urlpatterns = [
     path("metrics", metrics_view),
     path("api/v1/auth/token/", TokenView.as_view(), name="api-token"),
     path("api/v1/backpressure/", BackPressureView.as_view(), name="backpressure"),
+    # Before the queue store's own: explain, incidents, alerts, a queue's page.
+    path("", include("insight.urls")),
+    # Message tracking and webhooks (tracking/): /api/v1/tracking/, /tracking/, /webhooks/.
+    path("api/v1/", include("tracking.api_urls")),
+    path("", include("tracking.ui_urls")),
     path("api/", include("queues.api.urls")),
     path("", include("queues.ui.urls")),
 ]

@@ -74,6 +74,20 @@ class Queue(models.Model):
         Link, null=True, blank=True, on_delete=models.SET_NULL, related_name="queues"
     )
     suspended = models.BooleanField(default=False)
+    # A timed suspension resumes by itself at suspended_until (delivery.sweep);
+    # None = until resumed by hand. suspended_by: the operator who suspended it.
+    suspended_until = models.DateTimeField(null=True, blank=True)
+    suspended_by = models.CharField(max_length=150, blank=True)
+    # Re-route: while reroute_to is set (a next hop like "[10.0.0.9]:25" or
+    # "smarthost.example.net"), the queue is delivered there instead of its
+    # own link, until reroute_until (None = until unrouted by hand).
+    reroute_to = models.CharField(max_length=300, blank=True)
+    reroute_until = models.DateTimeField(null=True, blank=True)
+    reroute_by = models.CharField(max_length=150, blank=True)
+    # The link the queue had before the re-route: given back at its end.
+    reroute_from = models.ForeignKey(
+        Link, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     last_error = models.TextField(blank=True)
     last_error_at = models.DateTimeField(null=True, blank=True)
     last_delivery_at = models.DateTimeField(null=True, blank=True)
@@ -120,6 +134,9 @@ class Message(models.Model):
     expires_at = models.DateTimeField()
     next_attempt_at = models.DateTimeField()  # when the categorizer may take it
     suspended = models.BooleanField(default=False)
+    # Resumes by itself then (delivery.sweep); None = until resumed by hand.
+    suspended_until = models.DateTimeField(null=True, blank=True)
+    suspended_by = models.CharField(max_length=150, blank=True)
     per_message_failures = models.PositiveIntegerField(default=0)
     problem = models.BooleanField(default=False)
     crash_count = models.PositiveIntegerField(default=0)
@@ -152,6 +169,12 @@ class Message(models.Model):
                 fields=["next_attempt_at", "id"],
                 name="message_isolated_due",
                 condition=Q(state="submission", isolate=True),
+            ),
+            # sweep/reclaim: timed suspensions that are due to end (queues.services.timed)
+            models.Index(
+                fields=["suspended_until"],
+                name="message_suspended_until",
+                condition=Q(suspended_until__isnull=False),
             ),
             # sweep: expired categorizer claims
             models.Index(

@@ -25,10 +25,11 @@ from django import forms
 from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiParameter
 
+from queues import clock
 from queues.filters import EDGES, FilterParam
 from queues.permissions import OPERATOR, has_role
 from queues.services import actions
-from queues.services.actions import MessageAction
+from queues.services.actions import ActionInvalid, MessageAction, Preview
 
 # --- filters, rendered for each edge -----------------------------------------------
 
@@ -97,6 +98,30 @@ def cli_params(options: Mapping[str, Any], table: Iterable[FilterParam]) -> dict
     return params
 
 
+def add_action_options(parser: argparse.ArgumentParser | Any, action: OperatorAction) -> None:
+    """``--dry-run`` and one option per option the action takes (``--until``,
+    ``--to``; ``--set-recipient``/``--set-sender``, as ``--sender`` is a filter)."""
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="only say what it would do (changes, skips, failures, NDRs); change nothing",
+    )
+    for name in action.params:
+        parser.add_argument(
+            CLI_OPTION_FLAGS.get(name, f"--{name}"), dest=f"option_{name}", help=OPTION_HELP[name]
+        )
+
+
+def cli_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The action options given to a command (``add_action_options``)."""
+    out = {}
+    for name in OPTION_HELP:
+        value = options.get(f"option_{name}")
+        if value not in (None, ""):
+            out[name] = value
+    return out
+
+
 # --- actions ---------------------------------------------------------------------
 
 
@@ -114,6 +139,9 @@ class OperatorAction:
     bulk: str = ""  # the bulk service's action (MessageAction/QueueAction); default: name
     ndr: bool = False  # remove: with a non-delivery report
     edges: frozenset[str] = EDGES
+    # The options it takes besides its target (OPTION_HELP), singly and in bulk.
+    params: tuple[str, ...] = ()
+    bulk_params: tuple[str, ...] | None = None  # default: params
 
     @property
     def bulk_action(self) -> str:
@@ -127,23 +155,49 @@ class OperatorAction:
     def allowed(self, user: Any) -> bool:
         return has_role(user, self.role)
 
-    def _options(self, ndr: bool | None) -> dict[str, Any]:
-        if not self.takes_ndr:
-            return {}
-        return {"ndr": self.ndr if ndr is None else ndr}
+    @property
+    def takes_in_bulk(self) -> tuple[str, ...]:
+        return self.params if self.bulk_params is None else self.bulk_params
 
-    def run(self, obj: Any, actor: Any, via: str, *, ndr: bool | None = None) -> int:
+    def _options(
+        self, ndr: bool | None, options: Mapping[str, Any], allowed: tuple[str, ...]
+    ) -> dict[str, Any]:
+        """The options given (None/"" are not given); ActionInvalid for one it does not take."""
+        out: dict[str, Any] = {}
+        for key, value in options.items():
+            if value is None or value == "":
+                continue
+            if key not in allowed:
+                how = " (in bulk)" if key in self.params else ""
+                raise ActionInvalid(f"{key}: {self.name} takes no {key}{how}")
+            out[key] = value
+        if self.takes_ndr:
+            out["ndr"] = self.ndr if ndr is None else ndr
+        return out
+
+    def run(self, obj: Any, actor: Any, via: str, *, ndr: bool | None = None, **options) -> int:
         """The action on one message or queue (ActionConflict when it makes no sense)."""
-        return self.service(obj, actor, via, **self._options(ndr))
+        return self.service(obj, actor, via, **self._options(ndr, options, self.params))
 
-    def select(self, queryset: QuerySet) -> QuerySet:
+    def select(self, queryset: QuerySet, **options: Any) -> QuerySet:
         """The rows of a selection this action changes (what the preview counts)."""
         if self.target == "message":
             return actions.messages_select(self.bulk_action, queryset)
-        return actions.queues_select(self.bulk_action, queryset)
+        opts = self._options(None, options, self.takes_in_bulk)
+        checked = actions.options_for("", clock.now(), **opts)
+        return actions.queues_select(self.bulk_action, queryset, checked)
 
-    def preview(self, queryset: QuerySet) -> int:
-        return self.select(queryset).count()
+    def preview(self, queryset: QuerySet, **options: Any) -> int:
+        return self.select(queryset, **options).count()
+
+    def dry_run(self, queryset: QuerySet, *, ndr: bool | None = None, **options: Any) -> Preview:
+        """What ``apply`` would do with these arguments: how many it changes and the
+        consequences (recipients failing, NDRs and their senders, rows skipped in
+        flight), from the action's own queries; nothing changes."""
+        opts = self._options(ndr, options, self.takes_in_bulk)
+        if self.target == "message":
+            return actions.messages_preview(self.bulk_action, queryset, **opts)
+        return actions.queues_preview(self.bulk_action, queryset, **opts)
 
     def apply(
         self,
@@ -154,22 +208,34 @@ class OperatorAction:
         ndr: bool | None = None,
         ids: Sequence[int] = (),
         filter: Mapping[str, Any] | None = None,
+        **options: Any,
     ) -> int:
         """The action on every row of ``select(queryset)``; returns how many changed."""
+        opts = self._options(ndr, options, self.takes_in_bulk)
         if self.target == "message":
             return actions.messages_apply(
-                self.bulk_action,
-                queryset,
-                actor,
-                via,
-                ids=ids,
-                filter=filter,
-                **self._options(ndr),
+                self.bulk_action, queryset, actor, via, ids=ids, filter=filter, **opts
             )
-        return actions.queues_apply(self.bulk_action, queryset, actor, via, ids=ids, filter=filter)
+        return actions.queues_apply(
+            self.bulk_action, queryset, actor, via, ids=ids, filter=filter, **opts
+        )
 
 
 _UI_ONLY = frozenset({"form"})
+
+# The command-line flags of the options that would clash with a filter's.
+CLI_OPTION_FLAGS = {"recipient": "--set-recipient", "sender": "--set-sender"}
+
+# The options an action may take, with their help for every edge.
+OPTION_HELP: dict[str, str] = {
+    "until": "when it ends by itself: a duration (90s, 2h, 1d) or a time "
+    "(2026-05-01T08:00:00Z); empty: until undone by hand",
+    "to": "the next hop to send the mail to instead: [10.0.0.9]:25, [host]:port or a "
+    "smart host name (looked up for MX)",
+    "recipient": "dead letters: the corrected recipient (new@example.net, or "
+    "old@example.net=new@example.net when it has several)",
+    "sender": "dead letters: the corrected envelope sender (<> for the null sender)",
+}
 
 MESSAGE_ACTIONS: dict[str, OperatorAction] = {
     a.name: a
@@ -180,7 +246,8 @@ MESSAGE_ACTIONS: dict[str, OperatorAction] = {
             actions.message_suspend,
             "Suspend",
             "Suspended",
-            "hold messages: no recipient is tried until resumed",
+            "hold messages: no recipient is tried until resumed (or until the time given)",
+            params=("until",),
         ),
         OperatorAction(
             "resume",
@@ -196,7 +263,10 @@ MESSAGE_ACTIONS: dict[str, OperatorAction] = {
             actions.message_resubmit,
             "Resubmit",
             "Resubmitted",
-            "send messages back to the categorizer (dead letters too, with a fresh expiry)",
+            "send messages back to the categorizer (dead letters too, with a fresh expiry; "
+            "a dead letter may get a corrected recipient or sender)",
+            params=("recipient", "sender"),
+            bulk_params=(),
         ),
         OperatorAction(
             "remove",
@@ -245,7 +315,8 @@ QUEUE_ACTIONS: dict[str, OperatorAction] = {
             actions.queue_suspend,
             "Suspend",
             "Suspended",
-            "stop delivering from the queue",
+            "stop delivering from the queue (until resumed, or until the time given)",
+            params=("until",),
         ),
         OperatorAction(
             "resume",
@@ -254,6 +325,24 @@ QUEUE_ACTIONS: dict[str, OperatorAction] = {
             "Resume",
             "Resumed",
             "deliver from the queue again",
+        ),
+        OperatorAction(
+            "reroute",
+            "queue",
+            actions.queue_reroute,
+            "Re-route",
+            "Re-routed",
+            "send the queue's mail to another next hop (until unrouted, or until the time "
+            "given); its waiting messages are due there now",
+            params=("to", "until"),
+        ),
+        OperatorAction(
+            "unroute",
+            "queue",
+            actions.queue_unroute,
+            "End re-route",
+            "Re-route ended for",
+            "end a re-route: the queue goes back to the next hop routing gave it",
         ),
     )
 }
@@ -265,10 +354,13 @@ def actions_for(table: Mapping[str, OperatorAction], edge: str) -> dict[str, Ope
 
 __all__ = [
     "MESSAGE_ACTIONS",
+    "OPTION_HELP",
     "QUEUE_ACTIONS",
     "OperatorAction",
     "actions_for",
+    "add_action_options",
     "add_cli_filters",
+    "cli_options",
     "cli_params",
     "filter_form",
     "for_edge",

@@ -18,9 +18,12 @@ def test_compose_declares_every_part_of_the_relay():
     services = compose()["services"]
     assert set(services) >= {
         *("postgres", "redis", "migrate", "web", "smtp"),
-        *("worker-control", "worker-delivery", "beat"),
+        *("worker-control", "worker-delivery", "worker-webhooks", "beat"),
     }
-    for name in ("postgres", "redis", "web", "smtp", "worker-control", "worker-delivery"):
+    for name in (
+        *("postgres", "redis", "web", "smtp"),
+        *("worker-control", "worker-delivery", "worker-webhooks"),
+    ):
         assert "healthcheck" in services[name], name
     assert services["migrate"]["restart"] == "no"
     assert "pgdata" in compose()["volumes"]
@@ -67,6 +70,9 @@ def test_compose_and_make_run_start_a_control_and_a_delivery_worker():
     for cmd in (services["worker-delivery"]["command"], run["worker-delivery"]):
         assert _option(cmd, "-Q") == "delivery"
         assert _option(cmd, "--pool") == "threads"
+    for cmd in (services["worker-webhooks"]["command"], run["worker-webhooks"]):
+        assert _option(cmd, "-Q") == "webhooks"
+        assert _option(cmd, "--pool") == "threads"
     assert "MAILRELAY_DELIVERY_CONCURRENCY" in _option(
         services["worker-delivery"]["command"], "--concurrency"
     )
@@ -81,8 +87,9 @@ def test_tasks_are_routed_to_the_queues_the_workers_consume():
     }
     assert queue_of == {"delivery.tasks.categorize": "control", "delivery.tasks.sweep": "control"}
     assert app.amqp.router.route({}, "delivery.tasks.deliver_link")["queue"].name == "delivery"
-    # A worker started without -Q consumes both (an old single-worker setup keeps working).
-    assert {q.name for q in app.conf.task_queues} == {"control", "delivery"}
+    assert app.amqp.router.route({}, "tracking.tasks.send_webhooks")["queue"].name == "webhooks"
+    # A worker started without -Q consumes them all (an old single-worker setup keeps working).
+    assert {q.name for q in app.conf.task_queues} == {"control", "delivery", "webhooks"}
 
 
 def _pins() -> dict[str, str]:

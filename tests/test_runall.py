@@ -203,7 +203,14 @@ def test_a_killed_child_is_started_again_and_the_relay_keeps_working(runall, sin
     sink = sink_factory("127.0.0.2")
     run.wait_for(r"^beat: started")
     first = run.children()
-    assert set(first) == {"smtp", "web", "worker-control", "worker-delivery", "beat"}
+    assert set(first) == {
+        "smtp",
+        "web",
+        "worker-control",
+        "worker-delivery",
+        "worker-webhooks",
+        "beat",
+    }
     _send(smtp, 1)
     assert sink.wait_for(1, timeout=60), run.output()
     # Killed between tasks: a kill in the middle of one is the ownership tests' subject.

@@ -407,7 +407,7 @@ def test_it_removes_a_message_without_ndr(client, operator):
     assert message.state == MessageState.DONE
     assert Recipient.objects.get(message=message).state == RecipientState.FAILED
     assert Message.objects.count() == 1  # no report was queued
-    assert AuditEntry.objects.get().detail == "without NDR"
+    assert AuditEntry.objects.get().detail.startswith("without NDR; before: ")
 
 
 def test_it_removes_a_message_with_an_ndr_to_the_sender(client, operator):

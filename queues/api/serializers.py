@@ -60,6 +60,7 @@ class QueueSerializer(serializers.ModelSerializer):
     next_retry_at = serializers.SerializerMethodField()
     oldest_age_seconds = serializers.SerializerMethodField()
     last_error = serializers.SerializerMethodField()
+    effective_limits = serializers.SerializerMethodField()
 
     class Meta:
         model = Queue
@@ -68,8 +69,14 @@ class QueueSerializer(serializers.ModelSerializer):
             "name",
             "delivery_type",
             "link",
+            "effective_limits",
             "status",
             "suspended",
+            "suspended_until",
+            "suspended_by",
+            "reroute_to",
+            "reroute_until",
+            "reroute_by",
             "message_count",
             "counted_at",
             "incoming_rate",
@@ -85,6 +92,12 @@ class QueueSerializer(serializers.ModelSerializer):
 
     def get_status(self, queue: Queue) -> str:
         return queue_status(queue)
+
+    def get_effective_limits(self, queue: Queue) -> str:
+        """Traffic shaping now (docs/shaping.md): "" without MAILRELAY_SHAPING."""
+        from delivery.shaping.gate import effective_limits
+
+        return effective_limits(queue.link if queue.link_id else None)
 
     def get_next_retry_at(self, queue: Queue) -> datetime | None:
         return queue.link.next_retry_at if queue.link_id and queue.link else None
@@ -183,6 +196,7 @@ class MessageListSerializer(serializers.ModelSerializer):
             "status",
             "state",
             "suspended",
+            "suspended_until",
             "sender",
             "recipients",
             "recipient_count",
@@ -339,6 +353,13 @@ class BulkSerializer(serializers.Serializer):
     filter = serializers.DictField(required=False)
     confirm = serializers.BooleanField(default=False)
     ndr = serializers.BooleanField(default=False)
+    # Only say what it would do (ids or filter), change nothing.
+    dry_run = serializers.BooleanField(default=False)
+    until = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    to = serializers.CharField(required=False, allow_blank=True, max_length=300)
+    # Single-message options: named here so a bulk request with them is a clear 400.
+    recipient = serializers.CharField(required=False, allow_blank=True, max_length=1100)
+    sender = serializers.CharField(required=False, allow_blank=True, max_length=600)
 
     def validate(self, attrs):
         if ("ids" in attrs) == ("filter" in attrs):
@@ -348,6 +369,29 @@ class BulkSerializer(serializers.Serializer):
 
 class RemoveSerializer(serializers.Serializer):
     ndr = serializers.BooleanField(default=False)
+
+
+class ActionOptionsSerializer(serializers.Serializer):
+    """The options of one action on one row (queues.spec.OPTION_HELP); an option
+    the action does not take is a 400."""
+
+    until = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    to = serializers.CharField(required=False, allow_blank=True, max_length=300)
+    recipient = serializers.CharField(required=False, allow_blank=True, max_length=1100)
+    sender = serializers.CharField(required=False, allow_blank=True, max_length=600)
+
+
+class PreviewSerializer(serializers.Serializer):
+    """What a bulk action would do (queues.services.actions.Preview)."""
+
+    matched = serializers.IntegerField()
+    skipped = serializers.IntegerField()
+    in_flight = serializers.IntegerField()
+    recipients = serializers.IntegerField()
+    failing = serializers.IntegerField()
+    ndrs = serializers.IntegerField()
+    ndr_senders = serializers.IntegerField()
+    messages = serializers.IntegerField()
 
 
 class ExportSerializer(serializers.Serializer):
@@ -367,3 +411,4 @@ class BulkResultSerializer(serializers.Serializer):
     count = serializers.IntegerField()
     confirmed = serializers.BooleanField()
     detail = serializers.CharField()
+    preview = PreviewSerializer(required=False)

@@ -31,6 +31,7 @@ from rest_framework.views import APIView
 
 from queues import clock
 from queues.api.serializers import (
+    ActionOptionsSerializer,
     AuditEntrySerializer,
     BulkResultSerializer,
     BulkSerializer,
@@ -67,7 +68,7 @@ from queues.permissions import (
     can_read_content,
 )
 from queues.services import actions
-from queues.services.actions import ActionConflict, ActionTooLarge, Via
+from queues.services.actions import ActionConflict, ActionInvalid, ActionTooLarge, Via
 from queues.services.counts import error_groups, qshape, queue_history
 from queues.spec import (
     MESSAGE_ACTIONS,
@@ -148,6 +149,8 @@ class OperatorAPI:
             # A value the parsers let through but PostgreSQL cannot use: still the
             # caller's input, so a 400, never a 500 (tests/test_api_fuzz.py).
             exc = BadRequest("a parameter's value is out of range for the database")
+        elif isinstance(exc, ActionInvalid):
+            exc = BadRequest(exc.message)
         elif isinstance(exc, ActionConflict):
             exc = Conflict(exc.message)
         elif isinstance(exc, ActionTooLarge):
@@ -235,9 +238,12 @@ def _bulk(request: Request, table: dict[str, OperatorAction], model, parse) -> R
     if spec is None:
         raise BadRequest(f"action: one of {', '.join(table)}")
     qs, audit = _bulk_selection(data, model, parse)
-    if "filter" in data and not data["confirm"]:
-        return Response(_bulk_result(spec.name, spec.preview(qs), False))
-    count = spec.apply(qs, request_actor(request), Via.API, ndr=data["ndr"], **audit)
+    options = {k: data[k] for k in ("until", "to", "recipient", "sender") if data.get(k)}
+    if data["dry_run"] or ("filter" in data and not data["confirm"]):
+        preview = spec.dry_run(qs, ndr=data["ndr"], **options)
+        result = _bulk_result(spec.name, preview.count, False)
+        return Response({**result, "preview": preview.as_dict()})
+    count = spec.apply(qs, request_actor(request), Via.API, ndr=data["ndr"], **audit, **options)
     return Response(_bulk_result(spec.name, count, True))
 
 
@@ -471,18 +477,22 @@ def _action_endpoint(spec: OperatorAction, serializer) -> Any:
     def endpoint(self, request: Request, pk=None) -> Response:
         target = self.get_object()
         ndr = None
+        options: dict[str, Any] = {}
         if spec.takes_ndr:
             body = RemoveSerializer(data=request.data)
             body.is_valid(raise_exception=True)
             ndr = body.validated_data["ndr"]
-        spec.run(target, request_actor(request), Via.API, ndr=ndr)
+        elif spec.params:
+            body = ActionOptionsSerializer(data=request.data)
+            body.is_valid(raise_exception=True)
+            options = dict(body.validated_data)
+        spec.run(target, request_actor(request), Via.API, ndr=ndr, **options)
         return Response(self.get_serializer(target).data)
 
     endpoint.__name__ = spec.name
     endpoint.__doc__ = spec.help[0].upper() + spec.help[1:] + "."
-    schema = extend_schema(
-        request=RemoveSerializer if spec.takes_ndr else None, responses=serializer
-    )
+    body = RemoveSerializer if spec.takes_ndr else ActionOptionsSerializer if spec.params else None
+    schema = extend_schema(request=body, responses=serializer)
     return schema(action(detail=True, methods=["post"])(endpoint))
 
 

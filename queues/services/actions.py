@@ -24,6 +24,7 @@ import itertools
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import IO, Any
 
@@ -31,6 +32,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import models, transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models.functions import Lower
 
 from queues import bodies, clock
 from queues.models import (
@@ -40,12 +42,16 @@ from queues.models import (
     DeliveryType,
     Link,
     Message,
+    MessageSource,
     MessageState,
     Queue,
     Recipient,
     RecipientState,
 )
 from queues.replay import replay_envelope
+from queues.services import envelope_edits, reroute
+from queues.services.action_errors import ActionConflict, ActionInvalid, ActionTooLarge
+from queues.services.timed import parse_until, until_text
 from queues.signals import categorizer_work, link_work
 
 # A removed recipient's status. RFC 3463 X.7.0 ("other or undefined security
@@ -95,18 +101,29 @@ class QueueAction(models.TextChoices):
     RESUBMIT = "resubmit"
     SUSPEND = "suspend"
     RESUME = "resume"
+    REROUTE = "reroute"
+    UNROUTE = "unroute"
 
 
-class ActionConflict(Exception):
-    """The action makes no sense in the current state; nothing was changed (HTTP 409)."""
+@dataclass(frozen=True)
+class Options:
+    """What an action takes besides its target: ``until`` (suspend, reroute: a
+    time, None for no end), ``to`` (reroute: the next hop) and ``by`` (the actor's
+    name, kept on the row as ``suspended_by`` / ``reroute_by``)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+    until: datetime | None = None
+    to: str = ""
+    by: str = ""
 
 
-class ActionTooLarge(Exception):
-    """A selection larger than the action allows (HTTP 400)."""
+NO_OPTIONS = Options()
+
+
+def options_for(actor: Actor, now: datetime, until: Any = None, to: str = "") -> Options:
+    """The options as the edges pass them (``until`` as text), checked: ActionInvalid."""
+    return Options(
+        until=parse_until(until, now), to=" ".join((to or "").split()), by=actor_name(actor)
+    )
 
 
 # --- audit ------------------------------------------------------------------------
@@ -189,13 +206,13 @@ def _links_with_waiting(message_ids: Iterable[int]) -> set[int]:
     )
 
 
-def _suspend(message_ids: Sequence[int]) -> int:
+def _suspend(message_ids: Sequence[int], opts: Options = NO_OPTIONS) -> int:
     changed = 0
     for chunk in _chunks(message_ids):
         changed += (
             Message.objects.filter(id__in=chunk, suspended=False)
             .exclude(state=MessageState.DONE)
-            .update(suspended=True)
+            .update(suspended=True, suspended_until=opts.until, suspended_by=opts.by[:150])
         )
     return changed
 
@@ -212,7 +229,9 @@ def _resume(message_ids: Sequence[int], now: datetime) -> int:
         )
         if not ids:
             continue
-        changed += Message.objects.filter(id__in=ids).update(suspended=False)
+        changed += Message.objects.filter(id__in=ids).update(
+            suspended=False, suspended_until=None, suspended_by=""
+        )
         # A message the poison guard parked is released to the categorizer.
         if _resubmit_recipients(
             Recipient.objects.filter(message_id__in=ids, queue__delivery_type=DeliveryType.POISON),
@@ -227,6 +246,11 @@ def _resume(message_ids: Sequence[int], now: datetime) -> int:
         _after_commit_categorizer()
     _after_commit_links(links)
     return changed
+
+
+def resume_messages(message_ids: Sequence[int], now: datetime) -> int:
+    """Release suspended messages (the timed end of a suspension runs this too)."""
+    return _resume(message_ids, now)
 
 
 def _dead_letters(message_ids: Iterable[int]) -> QuerySet[Recipient]:
@@ -336,7 +360,7 @@ def _waiting_count(queue: Queue) -> int:
     )
 
 
-def _queue_retry(queue: Queue, now: datetime) -> int:
+def _queue_retry(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
     if queue.suspended:
         raise ActionConflict(f"queue {queue.name} is suspended: resume it to deliver its messages")
     count = _waiting_count(queue)
@@ -361,7 +385,7 @@ def _queue_retry(queue: Queue, now: datetime) -> int:
     return count
 
 
-def _queue_resubmit(queue: Queue, now: datetime) -> int:
+def _queue_resubmit(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
     count = _waiting_count(queue)
     if not count:
         raise ActionConflict(f"queue {queue.name} has no messages waiting")
@@ -370,20 +394,30 @@ def _queue_resubmit(queue: Queue, now: datetime) -> int:
     return count
 
 
-def _queue_suspend(queue: Queue, now: datetime) -> int:
+def _queue_suspend(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
     if queue.suspended:
         raise ActionConflict(f"queue {queue.name} is already suspended")
-    Queue.objects.filter(pk=queue.pk).update(suspended=True)
+    Queue.objects.filter(pk=queue.pk).update(
+        suspended=True, suspended_until=opts.until, suspended_by=opts.by[:150]
+    )
     return _waiting_count(queue)
 
 
-def _queue_resume(queue: Queue, now: datetime) -> int:
+def _queue_resume(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
     if not queue.suspended:
         raise ActionConflict(f"queue {queue.name} is not suspended")
-    Queue.objects.filter(pk=queue.pk).update(suspended=False)
+    Queue.objects.filter(pk=queue.pk).update(suspended=False, suspended_until=None, suspended_by="")
     if queue.link_id:
         _after_commit_links([queue.link_id])
     return _waiting_count(queue)
+
+
+def _queue_reroute(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
+    return reroute.start(queue, now, to=opts.to, until=opts.until, by=opts.by)
+
+
+def _queue_unroute(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
+    return reroute.end(queue, now, reason="unrouted", by=opts.by or "an operator")
 
 
 def _require_delivery_queue(queue: Queue) -> None:
@@ -394,20 +428,73 @@ def _require_delivery_queue(queue: Queue) -> None:
         )
 
 
-_QUEUE_ACTIONS: dict[str, Callable[[Queue, datetime], int]] = {
+QueueCore = Callable[[Queue, datetime, Options], int]
+
+_QUEUE_ACTIONS: dict[str, QueueCore] = {
     QueueAction.RETRY: _queue_retry,
     QueueAction.RESUBMIT: _queue_resubmit,
     QueueAction.SUSPEND: _queue_suspend,
     QueueAction.RESUME: _queue_resume,
+    QueueAction.REROUTE: _queue_reroute,
+    QueueAction.UNROUTE: _queue_unroute,
 }
 
 
-def _queue_action(action: str, queue: Queue, actor: Actor, via: str) -> int:
+def queue_core(action: str) -> Callable[..., int]:
+    """The set-based core of a queue action, for a queue locked by the caller
+    (the timed end of a suspension runs the resume core)."""
+    return _QUEUE_ACTIONS[QueueAction(action).value]
+
+
+def queue_state(queue: Queue, now: datetime | None = None) -> str:
+    """A queue's suspension and route in words: the before and after of the audit."""
+    if queue.suspended:
+        held = f"suspended {until_text(queue.suspended_until, now)}".strip()
+        if queue.suspended_by:
+            held += f" by {queue.suspended_by}"
+    else:
+        held = "delivering"
+    route = reroute.describe(queue, now)
+    if queue.reroute_to and queue.reroute_by:
+        route += f" by {queue.reroute_by}"
+    return f"{held}, {route}"
+
+
+def timed_notes(queue: Queue, now: datetime | None = None) -> list[str]:
+    """What an operator set on a queue, for the viewer and ``queue list``:
+    "suspended until T by X", "re-routed to [10.0.0.9]:25 until T by X"."""
+    notes = []
+    if queue.suspended and (queue.suspended_until or queue.suspended_by):
+        held = f"suspended {until_text(queue.suspended_until, now)}".strip()
+        notes.append(f"{held} by {queue.suspended_by}" if queue.suspended_by else held)
+    if queue.reroute_to:
+        route = reroute.describe(queue, now)
+        notes.append(f"{route} by {queue.reroute_by}" if queue.reroute_by else route)
+    return notes
+
+
+def _before_after(before: str, after: str) -> str:
+    return f"before: {before}; after: {after}"
+
+
+def _queue_action(action: str, queue: Queue, actor: Actor, via: str, **options: Any) -> int:
     with transaction.atomic():
+        now = clock.now()
+        opts = options_for(actor, now, **options)
         locked = _locked_queue(queue)
         _require_delivery_queue(locked)
-        count = _QUEUE_ACTIONS[action](locked, clock.now())
-        _audit(actor, via, f"queue_{action}", "queue", ids=[queue.pk], count=count)
+        before = queue_state(locked)
+        count = _QUEUE_ACTIONS[action](locked, now, opts)
+        after = queue_state(_locked_queue(queue))
+        _audit(
+            actor,
+            via,
+            f"queue_{action}",
+            "queue",
+            ids=[queue.pk],
+            count=count,
+            detail=f"{_before_after(before, after)}; {count} messages waiting",
+        )
     queue.refresh_from_db()
     return count
 
@@ -423,14 +510,27 @@ def queue_resubmit(queue: Queue, actor: Actor, via: str) -> int:
     return _queue_action(QueueAction.RESUBMIT, queue, actor, via)
 
 
-def queue_suspend(queue: Queue, actor: Actor, via: str) -> int:
-    """Stop delivering from the queue (a round in flight finishes)."""
-    return _queue_action(QueueAction.SUSPEND, queue, actor, via)
+def queue_suspend(queue: Queue, actor: Actor, via: str, until: Any = None) -> int:
+    """Stop delivering from the queue (a round in flight finishes); with ``until``
+    (a duration or a time) it resumes by itself then (queues.services.timed)."""
+    return _queue_action(QueueAction.SUSPEND, queue, actor, via, until=until)
 
 
 def queue_resume(queue: Queue, actor: Actor, via: str) -> int:
     """Deliver from the queue again."""
     return _queue_action(QueueAction.RESUME, queue, actor, via)
+
+
+def queue_reroute(queue: Queue, actor: Actor, via: str, to: str = "", until: Any = None) -> int:
+    """Send the queue's mail to the next hop ``to`` (``[10.0.0.9]:25``, a smart
+    host) instead of its own, until ``until`` (None: until unrouted); its
+    waiting messages are due now there (queues.services.reroute)."""
+    return _queue_action(QueueAction.REROUTE, queue, actor, via, to=to, until=until)
+
+
+def queue_unroute(queue: Queue, actor: Actor, via: str) -> int:
+    """End a re-route now: the queue goes back to the next hop routing gave it."""
+    return _queue_action(QueueAction.UNROUTE, queue, actor, via)
 
 
 def _queue_has_waiting() -> Exists:
@@ -443,24 +543,44 @@ def _delivery_queues(queryset: QuerySet[Queue]) -> QuerySet[Queue]:
     return queryset.exclude(delivery_type=DeliveryType.SUBMISSION)
 
 
+def _select_reroute(qs: QuerySet[Queue], opts: Options) -> QuerySet[Queue]:
+    # reroute.start: every queue with a next hop, except one already re-routed
+    # exactly so (same next hop, same end).
+    rerouteable = qs.filter(delivery_type__in=reroute.REROUTABLE)
+    if not opts.to:  # refused for every queue (ActionInvalid) until a next hop is given
+        return rerouteable.none()
+    same = Q(reroute_to=opts.to) & (
+        Q(reroute_until__isnull=True) if opts.until is None else Q(reroute_until=opts.until)
+    )
+    return rerouteable.exclude(same)
+
+
 # The queues of a selection each action changes: exactly those its core above
 # accepts without an ActionConflict. The preview counts this query and the
 # bulk form runs on it, so the two cannot disagree.
-QUEUE_SELECTIONS: dict[str, Callable[[QuerySet[Queue]], QuerySet[Queue]]] = {
-    QueueAction.RETRY: lambda qs: _delivery_queues(qs).filter(
+QUEUE_SELECTIONS: dict[str, Callable[[QuerySet[Queue], Options], QuerySet[Queue]]] = {
+    QueueAction.RETRY: lambda qs, opts: _delivery_queues(qs).filter(
         _queue_has_waiting(),
         Q(delivery_type=DeliveryType.UNREACHABLE) | Q(link__isnull=False),
         suspended=False,
     ),
-    QueueAction.RESUBMIT: lambda qs: _delivery_queues(qs).filter(_queue_has_waiting()),
-    QueueAction.SUSPEND: lambda qs: _delivery_queues(qs).filter(suspended=False),
-    QueueAction.RESUME: lambda qs: _delivery_queues(qs).filter(suspended=True),
+    QueueAction.RESUBMIT: lambda qs, opts: _delivery_queues(qs).filter(_queue_has_waiting()),
+    QueueAction.SUSPEND: lambda qs, opts: _delivery_queues(qs).filter(suspended=False),
+    QueueAction.RESUME: lambda qs, opts: _delivery_queues(qs).filter(suspended=True),
+    QueueAction.REROUTE: _select_reroute,
+    QueueAction.UNROUTE: lambda qs, opts: _delivery_queues(qs).exclude(reroute_to=""),
 }
 
 
-def queues_select(action: str, queryset: QuerySet[Queue]) -> QuerySet[Queue]:
+def queues_select(
+    action: str, queryset: QuerySet[Queue], opts: Options = NO_OPTIONS
+) -> QuerySet[Queue]:
     """The queues of a selection that ``queues_apply(action, …)`` changes."""
-    return QUEUE_SELECTIONS[QueueAction(action).value](queryset)
+    return QUEUE_SELECTIONS[QueueAction(action).value](queryset, opts)
+
+
+# Queues named with their before and after in one bulk action's audit detail.
+AUDIT_ROWS = 50
 
 
 def queues_apply(
@@ -471,23 +591,36 @@ def queues_apply(
     *,
     ids: Sequence[int] = (),
     filter: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> int:
     """Apply a queue action to every queue of a selection where it makes sense.
 
-    Returns how many queues it changed; one audit entry for the whole selection.
+    Returns how many queues it changed; one audit entry for the whole selection,
+    naming each queue's before and after (the first ``AUDIT_ROWS``).
     """
     action = QueueAction(action).value
     changed = 0
     messages = 0
+    lines: list[str] = []
     with transaction.atomic():
-        selected = queues_select(action, queryset).select_for_update(of=("self",))
+        now = clock.now()
+        opts = options_for(actor, now, **options)
+        selected = queues_select(action, queryset, opts).select_for_update(of=("self",))
         for queue in selected.select_related("link").order_by("id"):
+            before = queue_state(queue)
             try:
                 with transaction.atomic():
-                    messages += _QUEUE_ACTIONS[action](queue, clock.now())
+                    messages += _QUEUE_ACTIONS[action](queue, now, opts)
+            except ActionInvalid:
+                raise  # the options are wrong for every queue: nothing changes
             except ActionConflict:  # changed between the selection and its lock
                 continue
             changed += 1
+            if len(lines) < AUDIT_ROWS:
+                after = queue_state(Queue.objects.select_related("link").get(pk=queue.pk))
+                lines.append(f"{queue.name}: {_before_after(before, after)}")
+        if changed > len(lines):
+            lines.append(f"… and {changed - len(lines)} more")
         _audit(
             actor,
             via,
@@ -496,7 +629,7 @@ def queues_apply(
             ids=ids,
             filter=filter,
             count=changed,
-            detail=f"{messages} messages",
+            detail="\n".join([f"{messages} messages", *lines]),
         )
     return changed
 
@@ -529,29 +662,62 @@ def _message_action(
     actor: Actor,
     via: str,
     check: Callable[[Message], None],
-    apply: Callable[[list[int], datetime], int],
-    detail: str = "",
+    apply: Callable[[list[int], datetime, Options], int],
+    detail: Callable[[dict[str, str], Message, int], str],
+    **options: Any,
 ) -> int:
     with transaction.atomic():
+        now = clock.now()
+        opts = options_for(actor, now, **options)
         locked = _locked_message(message)
         check(locked)
-        count = apply([locked.pk], clock.now())
+        before = {"held": _held(locked), "where": _where(locked)}
+        count = apply([locked.pk], now, opts)
+        after = _locked_message(message)
         _audit(
-            actor, via, f"message_{action}", "message", ids=[locked.pk], count=count, detail=detail
+            actor,
+            via,
+            f"message_{action}",
+            "message",
+            ids=[locked.pk],
+            count=count,
+            detail=detail(before, after, count),
         )
     message.refresh_from_db()
     return count
 
 
-def message_suspend(message: Message, actor: Actor, via: str) -> int:
-    """Hold the message: no recipient of it is tried until it is resumed."""
+def _held(m: Message) -> str:
+    if not m.suspended:
+        return "not suspended"
+    text = f"suspended {until_text(m.suspended_until)}".strip()
+    return f"{text} by {m.suspended_by}" if m.suspended_by else text
+
+
+def _where(m: Message) -> str:
+    states = sorted(set(m.recipients.values_list("state", flat=True)))
+    return f"{m.state}, recipients {'/'.join(states) or 'none'}"
+
+
+def message_suspend(message: Message, actor: Actor, via: str, until: Any = None) -> int:
+    """Hold the message: no recipient of it is tried until it is resumed, or
+    until ``until`` (a duration or a time) when it resumes by itself."""
 
     def check(m: Message) -> None:
         _require_live(m, "suspend")
         if m.suspended:
             raise ActionConflict(f"message {m.qid} is already suspended")
 
-    return _message_action("suspend", message, actor, via, check, lambda ids, now: _suspend(ids))
+    return _message_action(
+        "suspend",
+        message,
+        actor,
+        via,
+        check,
+        lambda ids, now, opts: _suspend(ids, opts),
+        lambda b, a, n: _before_after(b["held"], _held(a)),
+        until=until,
+    )
 
 
 def message_resume(message: Message, actor: Actor, via: str) -> int:
@@ -562,19 +728,40 @@ def message_resume(message: Message, actor: Actor, via: str) -> int:
         if not m.suspended:
             raise ActionConflict(f"message {m.qid} is not suspended")
 
-    return _message_action("resume", message, actor, via, check, _resume)
+    return _message_action(
+        "resume",
+        message,
+        actor,
+        via,
+        check,
+        lambda ids, now, opts: _resume(ids, now),
+        lambda b, a, n: _before_after(b["held"], _where(a)),
+    )
 
 
-def message_resubmit(message: Message, actor: Actor, via: str) -> int:
+def message_resubmit(
+    message: Message, actor: Actor, via: str, recipient: str = "", sender: str | None = None
+) -> int:
     """Send the message's waiting recipients back to the categorizer, due now.
 
     A finished message in the Dead-letter queue is resubmitted whole: its failed
-    and expired recipients go back to the categorizer with a fresh expiry.
+    and expired recipients go back to the categorizer with a fresh expiry. A
+    dead letter may be resubmitted with envelope edits (the body untouched):
+    ``recipient`` a corrected address for its one dead recipient, or
+    ``old=new`` naming which; ``sender`` a corrected envelope sender ("<>" the
+    null sender). The audit entry says what they were and what they became.
     """
+    edits = envelope_edits.parse(recipient, sender)
+    changes: list[str] = []
 
     def check(m: Message) -> None:
         if m.state == MessageState.DONE and _dead_letters([m.pk]).exists():
             return  # a dead letter: resubmittable (MSMQ), see _revive_dead_letters
+        if edits:
+            raise ActionConflict(
+                f"message {m.qid} is not a dead letter: only a dead letter's envelope "
+                "can be corrected when it is resubmitted"
+            )
         _require_live(m, "resubmit")
         _require_not_categorizing(m, "resubmit")
         if not Recipient.objects.filter(message=m, state__in=WAITING_RECIPIENT_STATES).exists():
@@ -583,7 +770,16 @@ def message_resubmit(message: Message, actor: Actor, via: str) -> int:
                 "(they are in the categorizer or being delivered right now)"
             )
 
-    return _message_action("resubmit", message, actor, via, check, _resubmit)
+    def apply(ids: list[int], now: datetime, opts: Options) -> int:
+        if edits:
+            changes.extend(edits.apply(ids[0], _dead_letters(ids)))
+        return _resubmit(ids, now)
+
+    def detail(b: dict[str, str], a: Message, n: int) -> str:
+        text = _before_after(b["where"], _where(a))
+        return "\n".join([text, *changes])
+
+    return _message_action("resubmit", message, actor, via, check, apply, detail)
 
 
 def message_remove(message: Message, actor: Actor, via: str, ndr: bool = False) -> int:
@@ -592,6 +788,7 @@ def message_remove(message: Message, actor: Actor, via: str, ndr: bool = False) 
     Refused while the categorizer or a delivery holds the message (it would
     overwrite the removal); suspend it first and try again after that round.
     """
+    failed: list[int] = []
 
     def check(m: Message) -> None:
         _require_live(m, "remove")
@@ -603,11 +800,20 @@ def message_remove(message: Message, actor: Actor, via: str, ndr: bool = False) 
                 "flight); suspend it and remove it after this delivery round"
             )
 
-    def apply(ids: list[int], now: datetime) -> int:
-        return len(_remove(ids, now, actor, ndr))
+    def apply(ids: list[int], now: datetime, opts: Options) -> int:
+        removed = _remove(ids, now, actor, ndr)
+        failed.extend(rid for rids in removed.values() for rid in rids)
+        return len(removed)
 
-    return _message_action(
-        "remove", message, actor, via, check, apply, detail="with NDR" if ndr else "without NDR"
+    def detail(b: dict[str, str], a: Message, n: int) -> str:
+        return _remove_detail(ndr, b["where"], len(failed), _where(a))
+
+    return _message_action("remove", message, actor, via, check, apply, detail)
+
+
+def _remove_detail(ndr: bool, before: str, failed: int, after: str) -> str:
+    return f"{'with' if ndr else 'without'} NDR; " + _before_after(
+        before, f"{failed} recipients failed ({REMOVED_ENHANCED}), {after}"
     )
 
 
@@ -797,6 +1003,145 @@ def messages_select(action: str, queryset: QuerySet[Message]) -> QuerySet[Messag
     return MESSAGE_SELECTIONS[MessageAction(action).value](queryset)
 
 
+# --- what an action will do: the preview ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What a bulk action will do, from the queries the action itself runs.
+
+    ``count``: the rows it changes (what ``*_apply`` returns); ``matched``: the
+    rows of the selection; ``skipped``: matched but left alone (the action makes
+    no sense in their state), of which ``in_flight`` because the categorizer or
+    a delivery holds them right now. ``recipients``: the recipients it moves
+    (resubmit: back to the categorizer; suspend/resume: held/released) or fails
+    (remove); ``failing``: those that will fail; ``ndrs``: the non-delivery
+    reports it will send, to ``ndr_senders`` distinct senders. Queue actions:
+    ``messages`` waiting in the queues it changes.
+    """
+
+    action: str
+    count: int
+    matched: int
+    in_flight: int = 0
+    recipients: int = 0
+    failing: int = 0
+    ndrs: int = 0
+    ndr_senders: int = 0
+    messages: int = 0
+
+    @property
+    def skipped(self) -> int:
+        return self.matched - self.count
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "skipped": self.skipped}
+
+    def lines(self, noun: str) -> list[str]:
+        """The consequences in words, for the confirmation page and the command."""
+        out = [f"{self.action} would change {self.count} of {self.matched} {noun}"]
+        if self.skipped:
+            why = f", {self.in_flight} of them in flight right now" if self.in_flight else ""
+            out.append(
+                f"{self.skipped} {noun} skipped (the action makes no sense in their state{why})"
+            )
+        if self.failing:
+            out.append(f"{self.failing} recipients will fail")
+        if self.ndrs:
+            out.append(
+                f"{self.ndrs} non-delivery reports will go to {self.ndr_senders} distinct senders"
+            )
+        elif self.failing:
+            out.append("no non-delivery report will be sent")
+        if noun == "queues" and self.count:
+            out.append(f"{self.messages} messages wait in those queues")
+        return out
+
+
+def _in_flight(qs: QuerySet[Message]) -> QuerySet[Message]:
+    return qs.exclude(state=MessageState.DONE).filter(
+        Q(state=MessageState.CATEGORIZING) | Q(_has_recipient(state=RecipientState.ACTIVE))
+    )
+
+
+def _owes_failure_report() -> Q:
+    # queues.services.notify / queues.dsn.dsn_wanted: never to the null sender nor
+    # about a report; no NOTIFY means FAILURE,DELAY; else FAILURE must be listed.
+    return Q(notify="") | Q(notify__icontains="failure")
+
+
+def messages_preview(
+    action: str, queryset: QuerySet[Message], *, ndr: bool = False, **options: Any
+) -> Preview:
+    """What ``messages_apply(action, queryset, ndr=ndr)`` will change, without changing it."""
+    action = MessageAction(action).value
+    selected = messages_select(action, queryset)
+    ids = selected.values("pk")
+    count = selected.count()
+    matched = queryset.count()
+    in_flight = _in_flight(queryset.exclude(pk__in=ids)).count() if matched > count else 0
+    recipients = failing = ndrs = ndr_senders = 0
+    if action == MessageAction.REMOVE:
+        rows = Recipient.objects.filter(message__in=ids, state__in=REMOVABLE_RECIPIENT_STATES)
+        recipients = failing = rows.count()
+        if ndr and failing:
+            owed = (
+                Message.objects.filter(pk__in=ids)
+                .exclude(mail_from__in=("", "<>"))
+                .exclude(source=MessageSource.DSN)
+                .filter(
+                    Exists(
+                        rows.filter(_owes_failure_report(), message=OuterRef("pk")).exclude(
+                            notify__icontains="never"
+                        )
+                    )
+                )
+            )
+            ndrs = owed.count()
+            ndr_senders = owed.values(lower=Lower("mail_from")).distinct().count() if ndrs else 0
+    elif action == MessageAction.RESUBMIT:
+        waiting = Recipient.objects.filter(message__in=ids, state__in=WAITING_RECIPIENT_STATES)
+        waiting = waiting.exclude(message__state=MessageState.CATEGORIZING)
+        recipients = waiting.count() + _dead_letters_of(ids).count()
+    else:
+        recipients = (
+            Recipient.objects.filter(message__in=ids)
+            .exclude(state__in=FINAL_RECIPIENT_STATES)
+            .count()
+        )
+    return Preview(action, count, matched, in_flight, recipients, failing, ndrs, ndr_senders)
+
+
+def queues_preview(
+    action: str, queryset: QuerySet[Queue], actor: Actor = "", **options: Any
+) -> Preview:
+    """What ``queues_apply(action, queryset, …)`` will change, without changing it."""
+    action = QueueAction(action).value
+    opts = options_for(actor, clock.now(), **options)
+    selected = queues_select(action, queryset, opts)
+    count = selected.count()
+    messages = 0
+    if count:
+        messages = (
+            Recipient.objects.filter(
+                queue__in=selected.values("pk"), state__in=WAITING_RECIPIENT_STATES
+            )
+            .values("message_id")
+            .distinct()
+            .count()
+        )
+    return Preview(action, count, queryset.count(), messages=messages)
+
+
+def _dead_letters_of(ids: QuerySet) -> QuerySet[Recipient]:
+    return Recipient.objects.filter(
+        message__in=ids,
+        message__state=MessageState.DONE,
+        queue__delivery_type=DeliveryType.DEAD_LETTER,
+        state__in=[RecipientState.FAILED, RecipientState.EXPIRED],
+    )
+
+
 def messages_apply(
     action: str,
     queryset: QuerySet[Message],
@@ -806,17 +1151,19 @@ def messages_apply(
     ndr: bool = False,
     ids: Sequence[int] = (),
     filter: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> int:
     """Apply a message action to every message of a selection where it makes sense.
 
     ``ids`` or ``filter`` say how the selection was made (for the audit log).
     Messages for which the action makes no sense (done, already suspended,
     in the categorizer or in flight) are skipped: ``messages_select`` says
-    which. Returns how many changed.
+    which. ``options``: ``until`` for suspend. Returns how many changed.
     """
     action = MessageAction(action).value
     with transaction.atomic():
         now = clock.now()
+        opts = options_for(actor, now, **options)
         # Lock what we change: the categorizer and deliveries skip locked rows.
         message_ids = list(
             messages_select(action, queryset)
@@ -825,13 +1172,24 @@ def messages_apply(
             .values_list("id", flat=True)
         )
         if action == MessageAction.SUSPEND:
-            count = _suspend(message_ids)
+            count = _suspend(message_ids, opts)
+            detail = _before_after(
+                "not suspended",
+                _held(Message(suspended=True, suspended_until=opts.until, suspended_by=opts.by)),
+            )
         elif action == MessageAction.RESUME:
             count = _resume(message_ids, now)
+            detail = _before_after("suspended", "released")
         elif action == MessageAction.RESUBMIT:
             count = _resubmit(message_ids, now)
+            detail = _before_after("waiting in a queue, or a dead letter", "in Submission, due now")
         else:
-            count = len(_remove(message_ids, now, actor, ndr))
+            removed = _remove(message_ids, now, actor, ndr)
+            count = len(removed)
+            failed = sum(len(r) for r in removed.values())
+            detail = _remove_detail(
+                ndr, "not final, not in flight", failed, "done unless in flight"
+            )
         _audit(
             actor,
             via,
@@ -840,15 +1198,18 @@ def messages_apply(
             ids=ids,
             filter=filter,
             count=count,
-            detail=("with NDR" if ndr else "without NDR") if action == MessageAction.REMOVE else "",
+            detail=detail,
         )
     return count
 
 
 __all__ = [
     "ActionConflict",
+    "ActionInvalid",
     "ActionTooLarge",
     "MessageAction",
+    "Options",
+    "Preview",
     "QueueAction",
     "Via",
     "message_export",
@@ -860,12 +1221,18 @@ __all__ = [
     "message_suspend",
     "messages_apply",
     "messages_export_zip",
+    "messages_preview",
     "messages_select",
     "messages_export_zip_file",
+    "queue_reroute",
     "queue_resubmit",
     "queue_resume",
     "queue_retry",
     "queue_suspend",
+    "queue_unroute",
     "queues_apply",
+    "queues_preview",
     "queues_select",
+    "resume_messages",
+    "timed_notes",
 ]

@@ -14,10 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db import connection, transaction
-from django.db.models import Count, F, Func, Max, Min, Q, TextField, Value
+from django.db import transaction
+from django.db.models import Count, Max, Min, Q
 
-from queues.filters import ERROR_TOKEN_SQL, error_normalize
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     Attempt,
@@ -301,37 +300,17 @@ def error_groups(queue_id: int | None = None, limit: int = 200) -> list[ErrorGro
     """The distinct last errors of deferred recipients per queue, normalised, with counts.
 
     Each group links to its messages with the filter ``queue=<id>&error_group=<text>``.
+    Live while the queue is small; with a large one (a million messages) the summary
+    the insight app refreshes in the background, so this answers in milliseconds
+    (insight.deferrals).
     """
-    qs = Recipient.objects.filter(state=RecipientState.DEFERRED, queue__isnull=False)
-    if queue_id is not None:
-        qs = qs.filter(queue_id=queue_id)
-    if connection.vendor == "postgresql":
-        # Normalise in the database: far fewer groups come back (ids make every
-        # raw text distinct); Python then only merges what white space splits.
-        text = Func(
-            F("last_text"),
-            Value(ERROR_TOKEN_SQL),
-            Value("#"),
-            Value("g"),
-            function="regexp_replace",
-            output_field=TextField(),
-        )
-    else:
-        text = F("last_text")
-    rows = (
-        qs.annotate(text=text)
-        .values("queue_id", "last_code", "last_enhanced", "text")
-        .annotate(n=Count("id"))
-        .order_by()
-    )
-    merged: dict[tuple[int, int | None, str, str], int] = defaultdict(int)
-    for row in rows:
-        text = error_normalize(row["text"] or "")
-        merged[(row["queue_id"], row["last_code"], row["last_enhanced"], text)] += row["n"]
-    names = dict(Queue.objects.filter(id__in={k[0] for k in merged}).values_list("id", "name"))
+    from insight.deferrals import deferral_groups
+    from queues import clock
+
+    found = deferral_groups(clock.now(), queue_id, limit).groups
     groups = [
-        ErrorGroup(qid, names.get(qid, "?"), code, enhanced, text, n)
-        for (qid, code, enhanced, text), n in merged.items()
+        ErrorGroup(g.queue_id, g.queue_name, g.code, g.enhanced, g.text, g.recipients)
+        for g in found
     ]
     groups.sort(key=lambda g: (-g.recipients, g.queue_name, g.text))
     return groups[:limit]

@@ -18,12 +18,17 @@ from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
+from django.dispatch import Signal
 
 from queues import clock, counters, dsn
 from queues.bodies import body_prefix
 from queues.models import Message, MessageSource, Recipient
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.signals import categorizer_work
+
+# Sent in the caller's transaction when a report was queued (message tracking
+# records it): kwargs kind, message, recipients, report, now.
+dsn_sent = Signal()
 
 ACTION_BY_KIND = {dsn.FAILURE: "failed", dsn.DELAY: "delayed", dsn.SUCCESS: "relayed"}
 
@@ -119,6 +124,9 @@ def notify(
         report,
     )
     counters.count_dsn(kind)
+    dsn_sent.send(
+        sender=None, kind=kind, message=message, recipients=wanted, report=created, now=now
+    )
     transaction.on_commit(lambda: categorizer_work.send(sender=None))
     return created
 

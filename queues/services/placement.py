@@ -36,7 +36,12 @@ def queue_for_route(
         name=queue_name,
         defaults={"link": link, "created_at": now},
     )
-    if not created and queue.link_id != link.pk:
+    if not created and queue.reroute_to:
+        # Re-routed by an operator (queues.services.reroute): the queue stays on
+        # its override link; the route's link is where it returns at the end.
+        if queue.reroute_from_id != link.pk:
+            Queue.objects.filter(pk=queue.pk).update(reroute_from=link)
+    elif not created and queue.link_id != link.pk:
         Queue.objects.filter(pk=queue.pk).update(link=link)
         queue.link = link
     return queue

@@ -74,9 +74,12 @@ from queues.services.actions import (
     message_export_pieces,
     message_export_size,
     messages_export_zip_file,
+    timed_notes,
 )
 from queues.services.counts import error_groups, qshape, queue_history
-from queues.spec import MESSAGE_ACTIONS, QUEUE_ACTIONS, OperatorAction, actions_for
+from queues.services.reroute import REROUTABLE
+from queues.services.timed import until_text
+from queues.spec import MESSAGE_ACTIONS, OPTION_HELP, QUEUE_ACTIONS, OperatorAction, actions_for
 from queues.ui.display import age_text, rate_text, relative_text, size_text, visible_text
 from queues.ui.forms import MessageFilterForm, QueueFilterForm
 
@@ -187,6 +190,9 @@ def _queue_row(queue: Queue, now) -> dict[str, Any]:
         "rate_in": rate_text(queue.incoming_rate),
         "rate_out": rate_text(queue.outgoing_rate),
         "actionable": queue.delivery_type != DeliveryType.SUBMISSION,
+        # "suspended until T by X", "re-routed to [10.0.0.9]:25 until T by X"
+        "notes": timed_notes(queue, now),
+        "reroutable": queue.delivery_type in REROUTABLE,
     }
 
 
@@ -393,7 +399,23 @@ def message_detail(request: HttpRequest, pk: int) -> HttpResponse:
         received_ago=relative_text(message.received_at, now),
         expires_in=relative_text(message.expires_at, now),
         done=message.state == "done",
+        # a dead letter: resubmittable with a corrected recipient or sender
+        dead_letter=message.state == "done"
+        and any(
+            r.queue is not None
+            and r.queue.delivery_type == DeliveryType.DEAD_LETTER
+            and r.state in (RecipientState.FAILED, RecipientState.EXPIRED)
+            for r in recipients
+        ),
+        suspension=_held_text(message, now),
     )
+
+
+def _held_text(message: Message, now) -> str:
+    if not message.suspended or not (message.suspended_until or message.suspended_by):
+        return ""
+    text = f"suspended {until_text(message.suspended_until, now)}".strip()
+    return f"{text} by {message.suspended_by}" if message.suspended_by else text
 
 
 @viewer_required
@@ -486,6 +508,19 @@ def _conflict(request: HttpRequest, error: ActionConflict) -> None:
     flash.error(request, f"Not done: {error.message}. Nothing was changed.")
 
 
+def _option_fields(spec: OperatorAction | None, given: dict[str, Any]) -> list[tuple[str, str]]:
+    """The options a confirmation page asks for: those the action takes, not given yet."""
+    if spec is None:
+        return []
+    return [(name, OPTION_HELP[name]) for name in spec.takes_in_bulk if name not in given]
+
+
+def _action_options(spec: OperatorAction, data, bulk: bool = False) -> dict[str, Any]:
+    """The options of the form (until, to, recipient, sender) this action takes."""
+    names = spec.takes_in_bulk if bulk else spec.params
+    return {name: data.get(name, "").strip() for name in names if data.get(name, "").strip()}
+
+
 @operator_required
 @require_POST
 def queue_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
@@ -494,7 +529,7 @@ def queue_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
         return HttpResponseBadRequest("unknown queue action")
     queue = get_object_or_404(Queue, pk=pk)
     try:
-        count = spec.run(queue, request.user, Via.UI)
+        count = spec.run(queue, request.user, Via.UI, **_action_options(spec, request.POST))
     except ActionConflict as e:
         _conflict(request, e)
     else:
@@ -512,7 +547,14 @@ def queues_bulk(request: HttpRequest) -> HttpResponse:
     if not ids:
         flash.warning(request, "Select at least one queue first.")
         return _back(request, reverse("ui:queues"))
-    changed = spec.apply(Queue.objects.filter(id__in=ids), request.user, Via.UI, ids=ids)
+    options = _action_options(spec, request.POST, bulk=True)
+    try:
+        changed = spec.apply(
+            Queue.objects.filter(id__in=ids), request.user, Via.UI, ids=ids, **options
+        )
+    except ActionConflict as e:
+        _conflict(request, e)
+        return _back(request, reverse("ui:queues"))
     _bulk_result(request, spec.label, changed, len(ids), "queues")
     return _back(request, reverse("ui:queues"))
 
@@ -531,10 +573,17 @@ def queues_confirm(request: HttpRequest) -> HttpResponse:
         flash.error(request, str(e))
         return redirect("ui:queues")
     qs = f.queryset()
-    if request.method == "POST":
-        changed = spec.apply(qs, request.user, Via.UI, filter=f.as_params())
-        _bulk_result(request, spec.label, changed, None, "queues")
-        return HttpResponseRedirect(reverse("ui:queues") + "?" + _query(f.as_params()))
+    options = _action_options(spec, params, bulk=True)
+    back = reverse("ui:queues") + "?" + _query(f.as_params())
+    try:
+        if request.method == "POST":
+            changed = spec.apply(qs, request.user, Via.UI, filter=f.as_params(), **options)
+            _bulk_result(request, spec.label, changed, None, "queues")
+            return HttpResponseRedirect(back)
+        preview = spec.dry_run(qs, **options)
+    except ActionConflict as e:
+        _conflict(request, e)
+        return HttpResponseRedirect(back)
     return _page(
         request,
         "ui/confirm.html",
@@ -543,7 +592,10 @@ def queues_confirm(request: HttpRequest) -> HttpResponse:
         action=spec.name,
         action_label=spec.label,
         # the action's own selection: exactly the queues it will change
-        count=spec.preview(qs),
+        count=preview.count,
+        consequences=preview.lines("queues"),
+        options=options,
+        option_fields=_option_fields(spec, options),
         params=f.as_params(),
         cancel=reverse("ui:queues") + "?" + _query(f.as_params()),
         post_url=reverse("ui:queues_confirm"),
@@ -572,7 +624,7 @@ def message_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     if spec is None:
         return HttpResponseBadRequest("unknown message action")
     try:
-        spec.run(message, request.user, Via.UI)
+        spec.run(message, request.user, Via.UI, **_action_options(spec, request.POST))
     except ActionConflict as e:
         _conflict(request, e)
     else:
@@ -628,7 +680,13 @@ def messages_bulk(request: HttpRequest) -> HttpResponse:
     if spec is None:
         response = _zip_response(request, qs, ids=ids)
         return response or _back(request, fallback)
-    changed = spec.apply(qs, request.user, Via.UI, ids=ids)
+    try:
+        changed = spec.apply(
+            qs, request.user, Via.UI, ids=ids, **_action_options(spec, request.POST, bulk=True)
+        )
+    except ActionConflict as e:
+        _conflict(request, e)
+        return _back(request, fallback)
     _bulk_result(request, spec.label, changed, len(ids), "messages")
     return _back(request, fallback)
 
@@ -653,11 +711,32 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
         if spec is None:
             response = _zip_response(request, qs, filter=f.as_params())
             return response or HttpResponseRedirect(list_url)
-        changed = spec.apply(qs, request.user, Via.UI, filter=f.as_params())
+        try:
+            changed = spec.apply(
+                qs,
+                request.user,
+                Via.UI,
+                filter=f.as_params(),
+                **_action_options(spec, params, True),
+            )
+        except ActionConflict as e:
+            _conflict(request, e)
+            return HttpResponseRedirect(list_url)
         _bulk_result(request, spec.label, changed, None, "messages")
         return HttpResponseRedirect(list_url)
-    # the action's own selection: exactly the messages it will change
-    count = qs.count() if spec is None else spec.preview(qs)
+    # the action's own selection: exactly the messages it will change, and what follows
+    consequences: list[str] = []
+    options: dict[str, Any] = {}
+    if spec is None:
+        count = qs.count()
+    else:
+        options = _action_options(spec, params, bulk=True)
+        try:
+            preview = spec.dry_run(qs, **options)
+        except ActionConflict as e:
+            _conflict(request, e)
+            return HttpResponseRedirect(list_url)
+        count, consequences = preview.count, preview.lines("messages")
     return _page(
         request,
         "ui/confirm.html",
@@ -666,6 +745,9 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
         action=action,
         action_label=EXPORT_LABEL if spec is None else spec.label,
         count=count,
+        consequences=consequences,
+        options=options,
+        option_fields=_option_fields(spec, options),
         params=f.as_params(),
         cancel=list_url,
         post_url=reverse("ui:messages_confirm"),

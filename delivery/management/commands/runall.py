@@ -124,6 +124,12 @@ class Command(BaseCommand):
                 *("--pool", "threads", "--loglevel", "INFO"),
                 *("--concurrency", str(settings.MAILRELAY_DELIVERY_CONCURRENCY)),
             ],
+            # Webhooks (tracking.sender): a few threads, apart from mail.
+            "worker-webhooks": [
+                *(celery, "-A", "mailrelay", "worker", "-n", "webhooks@%h", "-Q", "webhooks"),
+                *("--pool", "threads", "--loglevel", "INFO"),
+                *("--concurrency", str(settings.MAILRELAY_WEBHOOK_CONCURRENCY)),
+            ],
             "beat": [
                 *(celery, "-A", "mailrelay", "beat", "--loglevel", "INFO"),
                 *("--schedule", beat_schedule),

@@ -1,4 +1,4 @@
-"""python manage.py message list|show|suspend|resume|resubmit|remove|export
+"""python manage.py message list|show|explain|suspend|resume|resubmit|remove|export
 
 The command-line edge of the Queue Viewer: the same filters (one option per
 row of queues.filters.MESSAGE_FILTERS) and the same actions (one subcommand
@@ -8,9 +8,13 @@ says how many messages it would change (the action's own count).
 
     message list --domain example.net --status retry
     message show 0B3KQ7T2M9XCVD
+    message explain 0B3KQ7T2M9XCVD                              # why it waits, what comes next
     message suspend 0B3KQ7T2M9XCVD 0B3KQ7T2M9XCVF
     message remove --sender spammer@example.org --ndr          # shows the count
     message remove --sender spammer@example.org --ndr --yes    # does it
+    message remove 0B3KQ7T2M9XCVD --ndr --dry-run              # what it would do, in detail
+    message suspend 0B3KQ7T2M9XCVD --until 2h                  # resumes by itself in 2 hours
+    message resubmit 0B3KQ7T2M9XCVD --set-recipient right@example.net   # a dead letter, fixed
     message export 0B3KQ7T2M9XCVD > copy.eml
     message export --queue 12 --zip queue12.zip
 """
@@ -37,7 +41,14 @@ from queues.filters import (
 from queues.models import Message
 from queues.services import actions
 from queues.services.actions import ActionConflict, ActionTooLarge, Via
-from queues.spec import MESSAGE_ACTIONS, actions_for, add_cli_filters, cli_params
+from queues.spec import (
+    MESSAGE_ACTIONS,
+    actions_for,
+    add_action_options,
+    add_cli_filters,
+    cli_options,
+    cli_params,
+)
 
 CLI_ACTIONS = actions_for(MESSAGE_ACTIONS, "cli")
 
@@ -113,6 +124,11 @@ class Command(BaseCommand):
             add_actor_option(p)
             if spec.takes_ndr:
                 p.add_argument("--ndr", action="store_true", help="send a non-delivery report")
+            add_action_options(p, spec)
+
+        p = sub.add_parser("explain", help="why each recipient still waits, and what comes next")
+        p.add_argument("message", help="message id or queue id")
+        p.add_argument("--json", action="store_true")
 
         p = sub.add_parser("export", help="a message as .eml, or a selection as a zip")
         p.add_argument("message", nargs="?", help="message id or queue id")
@@ -135,6 +151,10 @@ class Command(BaseCommand):
             self._show(options)
         elif command == "export":
             self._export(options)
+        elif command == "explain":
+            from insight.cli import explain_text  # operator insight (insight/)
+
+            self.stdout.write(explain_text(message_by_ref(options["message"]), options["json"]))
         else:
             self._act(command, options)
 
@@ -264,29 +284,42 @@ class Command(BaseCommand):
         refs = options.get("messages") or []
         f = filter_from_options(options)
         ndr = bool(options.get("ndr"))
+        given = cli_options(options)
         if refs and not f.is_empty():
             raise CommandError("give message ids or filters, not both")
-        if len(refs) == 1:
+        try:
+            self._act_on(spec, command, actor, refs, f, ndr, given, options)
+        except ActionConflict as exc:  # ActionInvalid too: a bad option
+            raise CommandError(exc.message) from None
+
+    def _act_on(self, spec, command, actor, refs, f, ndr, given, options) -> None:
+        if len(refs) == 1 and not options.get("dry_run"):
             message = message_by_ref(refs[0])
-            try:
-                spec.run(message, actor, Via.CLI, ndr=ndr)
-            except ActionConflict as exc:
-                raise CommandError(exc.message) from None
+            spec.run(message, actor, Via.CLI, ndr=ndr, **given)
             self.stdout.write(f"{command}: {message.qid} done")
             return
         if refs:
             ids = [message_by_ref(r).pk for r in refs]
-            count = spec.apply(Message.objects.filter(id__in=ids), actor, Via.CLI, ndr=ndr, ids=ids)
+            qs = Message.objects.filter(id__in=ids)
+            if options.get("dry_run"):
+                self._preview(spec, command, qs, ndr, given, "--dry-run")
+                return
+            count = spec.apply(qs, actor, Via.CLI, ndr=ndr, ids=ids, **given)
             self.stdout.write(f"{command}: {count} of {len(ids)} messages changed")
             return
         if f.is_empty():
             raise CommandError("give message ids or at least one filter")
         qs = f.queryset()
-        if not options["yes"]:
-            count = spec.preview(qs)  # the action's own selection: what --yes changes
-            self.stdout.write(
-                f"{command} would touch {count} messages; run again with --yes to do it"
-            )
+        if not options["yes"] or options.get("dry_run"):
+            self._preview(spec, command, qs, ndr, given, "--yes")
             return
-        count = spec.apply(qs, actor, Via.CLI, ndr=ndr, filter=f.as_params())
+        count = spec.apply(qs, actor, Via.CLI, ndr=ndr, filter=f.as_params(), **given)
         self.stdout.write(f"{command}: {count} messages changed")
+
+    def _preview(self, spec, command, qs, ndr, given, flag: str) -> None:
+        """The action's own preview: what it changes, skips, fails and notifies."""
+        preview = spec.dry_run(qs, ndr=ndr, **given)
+        how = "run again with --yes to do it" if flag == "--yes" else "run again without it"
+        self.stdout.write(f"{command} would touch {preview.count} messages; {how}")
+        for line in preview.lines("messages")[1:]:
+            self.stdout.write(f"  {line}")

@@ -1,8 +1,12 @@
-"""python manage.py queue list|retry|resubmit|suspend|resume
+"""python manage.py queue list|retry|resubmit|suspend|resume|reroute|unroute
 
 queue list --status retry
 queue retry example.net
 queue suspend 12 14
+queue suspend example.net --until 2h              # resumes by itself in two hours
+queue reroute example.net --to '[10.0.0.9]:25' --until 2026-05-01T08:00:00Z
+queue unroute example.net                         # back to its own next hop now
+queue resubmit 12 14 --dry-run                    # what it would do; nothing changes
 """
 
 from __future__ import annotations
@@ -23,8 +27,15 @@ from queues.filters import (
 )
 from queues.management.commands.message import add_actor_option, cli_actor
 from queues.models import Queue
-from queues.services.actions import ActionConflict, Via
-from queues.spec import QUEUE_ACTIONS, actions_for, add_cli_filters, cli_params
+from queues.services.actions import ActionConflict, ActionInvalid, Via, timed_notes
+from queues.spec import (
+    QUEUE_ACTIONS,
+    actions_for,
+    add_action_options,
+    add_cli_filters,
+    cli_options,
+    cli_params,
+)
 
 CLI_ACTIONS = actions_for(QUEUE_ACTIONS, "cli")
 
@@ -57,7 +68,7 @@ def _age(seconds: float | None) -> str:
 
 
 class Command(BaseCommand):
-    help = "List queues and act on them (retry now, resubmit, suspend, resume)."
+    help = "List queues and act on them (retry now, resubmit, suspend, resume, re-route)."
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +81,7 @@ class Command(BaseCommand):
             p = sub.add_parser(spec.name, help=spec.help)
             p.add_argument("queues", nargs="+", help="queue ids or names")
             add_actor_option(p)
+            add_action_options(p, spec)
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["command"] == "list":
@@ -77,11 +89,17 @@ class Command(BaseCommand):
             return
         actor = cli_actor(options)
         spec = CLI_ACTIONS[options["command"]]
+        given = cli_options(options)
+        if options.get("dry_run"):
+            self._dry_run(spec, options, given)
+            return
         failed = False
         for ref in options["queues"]:
             queue = queue_by_ref(ref)
             try:
-                count = spec.run(queue, actor, Via.CLI)
+                count = spec.run(queue, actor, Via.CLI, **given)
+            except ActionInvalid as exc:
+                raise CommandError(exc.message) from None
             except ActionConflict as exc:
                 self.stderr.write(f"{queue.name}: {exc.message}")
                 failed = True
@@ -89,6 +107,20 @@ class Command(BaseCommand):
             self.stdout.write(f"{options['command']}: {queue.name} ({count} messages)")
         if failed:
             raise CommandError("some queues were not changed")
+
+    def _dry_run(self, spec, options: dict[str, Any], given: dict[str, Any]) -> None:
+        """What the action would do to these queues (its own selection); nothing changes."""
+        ids = [queue_by_ref(ref).pk for ref in options["queues"]]
+        try:
+            preview = spec.dry_run(Queue.objects.filter(pk__in=ids), **given)
+        except ActionConflict as exc:
+            raise CommandError(exc.message) from None
+        name = options["command"]
+        self.stdout.write(
+            f"{name} would touch {preview.count} queues; run again without --dry-run to do it"
+        )
+        for line in preview.lines("queues")[1:]:
+            self.stdout.write(f"  {line}")
 
     def _list(self, options: dict[str, Any]) -> None:
         try:
@@ -121,3 +153,5 @@ class Command(BaseCommand):
                 f"{q.message_count:>7} {q.incoming_rate:>7.1f} {q.outgoing_rate:>7.1f} "
                 f"{_age(oldest):>6} {retry_at:19} {' '.join(error.split())[:60]}"
             )
+            for note in timed_notes(q, now):
+                self.stdout.write(f"{'':>6} {note}")

@@ -1,0 +1,585 @@
+"""Why is this recipient still waiting? One answer for the UI, the API and the CLI.
+
+``explain_message(message, now)`` answers, for every recipient not yet final:
+
+* the reasons it waits, most important first, each with a machine-readable
+  ``code`` (see ``REASONS``), a sentence, and the facts behind it (who
+  suspended it and until when, the link's counter and next retry, the host
+  whose retry data skips it and the rule that matched, ...);
+* the retry rule that applies — its line as written in the operator's file,
+  or the rule compiled from the Exchange settings (``delivery.retry``);
+* the last reply, and the projected schedule: the next tries, *computed by
+  the rule engine* (``delivery.retryrules.projected_schedule``), when the
+  delay DSN goes, when the rule's final cutoff passes, when it expires;
+* what an operator can do about it (retry now, resubmit, resume).
+
+Cost: one message costs a handful of indexed queries (its recipients with
+their queues and links, their last attempts, the retry data of its links'
+hosts, the back-pressure rows only for a message still in Submission).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Q
+
+from delivery import retry
+from delivery.retryrules import Rule, parse_rules, projected_schedule
+from queues.models import (
+    FINAL_RECIPIENT_STATES,
+    Attempt,
+    DeliveryType,
+    Link,
+    LinkState,
+    Message,
+    MessageState,
+    Queue,
+    Recipient,
+    RecipientState,
+    RetryHint,
+)
+from queues.units import format_duration
+
+#: Every reason code explain can give, and what it means.
+REASONS: dict[str, str] = {
+    "in_flight": "a delivery round holds it right now",
+    "message_suspended": "the message is suspended",
+    "poison": "the message crashed workers and is parked in Poison",
+    "queue_suspended": "its queue is suspended",
+    "submission": "waiting for the categorizer",
+    "categorizing": "the categorizer is routing it now",
+    "backpressure": "back pressure: the Submission queue is under pressure",
+    "unreachable": "no route: the categorizer tries again later",
+    "shaping": "a traffic-shaping limit holds its queue",
+    "link_retry": "its link is in glitch, transient or Retry after connection failures",
+    "host_retry": "a host of its link is skipped by its retry data",
+    "problem_message": "a problem message: per-message failures, retried at the message interval",
+    "recipient_retry": "a temporary failure of this recipient: waiting for its next try",
+    "rerouted": "its queue is re-routed to another next hop",
+    "due": "due now: waiting for a delivery round",
+}
+
+SCHEDULE_SHOWN = 6
+PRESSURE_LEVELS = ("medium", "high")
+
+
+@dataclass
+class Reason:
+    code: str
+    text: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Action:
+    name: str  # retry / resubmit / resume
+    target: str  # queue / message
+    label: str
+    api: str  # POST here
+    ui: str  # POST here (the Queue Viewer's form action)
+
+
+@dataclass
+class RecipientExplain:
+    recipient_id: int
+    address: str
+    state: str
+    queue: dict[str, Any] | None
+    reason: str  # the first reason's code ("" for a final recipient)
+    reasons: list[Reason]
+    rule: dict[str, Any] | None
+    last_reply: dict[str, Any] | None
+    next_try_at: datetime | None
+    schedule: list[dict[str, Any]]
+    delay_dsn_at: datetime | None
+    final_cutoff_at: datetime | None
+    expires_at: datetime
+    actions: list[Action]
+
+
+@dataclass
+class MessageExplain:
+    id: int
+    qid: str
+    state: str
+    now: datetime
+    summary: str
+    recipients: list[RecipientExplain]
+
+    def as_dict(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return format_duration(value)
+    return value
+
+
+# --- the rule engine, asked (never re-implemented) ---------------------------------------
+
+
+def _compiled_count() -> int:
+    return len(parse_rules(retry.exchange_rules_text()).rules)
+
+
+def rule_info(rule: Rule | None) -> dict[str, Any] | None:
+    """A rule as the operator reads it: its line as written, or the compiled rule."""
+    if rule is None:
+        return None
+    active = retry.rules()
+    compiled = list(active.rules).index(rule) >= len(active.rules) - _compiled_count()
+    return {
+        "text": rule.text,
+        "line": None if compiled else rule.line,
+        "source": "compiled from the Exchange settings"
+        if compiled
+        else active.source.removesuffix(" + Exchange settings"),
+        "error": str(rule.error),
+        "params": rule.params_text,
+        "final_cutoff": rule.final_cutoff
+        if rule.final_cutoff is not None and rule.final_cutoff < retry.FOREVER
+        else None,
+    }
+
+
+def find_rule(address: str, *, error: str = "", host: str | None = None, sender: str | None = None):
+    """The rule ``delivery.retry.decide`` applies to this failure (same search)."""
+    active = retry.rules()
+    found = active.find(address, host=host, error=error or None, sender=sender)
+    if found is None and error:
+        found = active.find(address, host=host, error=None, sender=sender)
+    return found
+
+
+def schedule_after(
+    rule: Rule | None, first_failed: datetime | None, now: datetime, until: datetime
+) -> tuple[list[datetime], datetime | None]:
+    """The next tries after ``now`` (the rule engine's projection from the first
+    failure), and when the rule's final cutoff passes (None: never, or no rule)."""
+    if rule is None or first_failed is None or not rule.params:
+        return [], None
+    tries = projected_schedule(rule, first_failed, until, options=retry.rules().options)
+    upcoming = [t.at for t in tries if t.at > now][:SCHEDULE_SHOWN]
+    cutoff = rule.final_cutoff
+    cutoff_at = first_failed + cutoff if cutoff is not None and cutoff < retry.FOREVER else None
+    return upcoming, cutoff_at
+
+
+# --- the facts --------------------------------------------------------------------------
+
+
+def _link_counter(link: Link) -> str:
+    """Which of Exchange's counters the link is on: glitch, transient or retry."""
+    glitch = settings.MAILRELAY_QUEUE_GLITCH_RETRY_COUNT
+    transient = settings.MAILRELAY_TRANSIENT_FAILURE_RETRY_COUNT
+    if link.failure_count <= glitch:
+        return "glitch"
+    if link.failure_count <= glitch + transient:
+        return "transient"
+    return "retry"
+
+
+def _host_hints(links: list[Link], now: datetime) -> dict[int, list[RetryHint]]:
+    """Retry data of every host of these links whose retry time has not come."""
+    names: dict[str, list[int]] = {}
+    for link in links:
+        for h in link.hosts or []:
+            host = str(h.get("host", "")).lower().rstrip(".")
+            if host:
+                names.setdefault(host, []).append(link.pk)
+    if not names:
+        return {}
+    cond = Q()
+    for host in names:
+        cond |= Q(key=f"T:{host}") | Q(key__startswith=f"T:{host}:")
+    out: dict[int, list[RetryHint]] = {}
+    for hint in RetryHint.objects.filter(cond, next_try__gt=now).order_by("key"):
+        host = hint.key[2:].split(":", 1)[0]
+        for link_id in names.get(host, []):
+            out.setdefault(link_id, []).append(hint)
+    return out
+
+
+def _last_attempts(message: Message) -> dict[int, Attempt]:
+    out: dict[int, Attempt] = {}
+    rows = Attempt.objects.filter(message=message).order_by("recipient_id", "-started_at", "-id")
+    for a in rows.only("recipient_id", "phase", "code", "enhanced", "text", "host", "started_at"):
+        out.setdefault(a.recipient_id, a)
+    return out
+
+
+def _pressure() -> list[dict[str, Any]]:
+    from delivery.models import ResourcePressure
+
+    rows = ResourcePressure.objects.filter(level__in=PRESSURE_LEVELS).order_by("node", "resource")
+    return [
+        {
+            "node": r.node,
+            "resource": r.resource,
+            "level": r.level,
+            "reading": r.reading,
+            "threshold": r.high if r.level == "high" else r.medium,
+            "action": r.action,
+        }
+        for r in rows
+    ]
+
+
+def shaping_limit(queue: Queue, now: datetime) -> dict[str, Any] | None:
+    """HOOK (reason "shaping"): the traffic-shaping limit holding ``queue`` now.
+
+    Helper A's shaping (``delivery/shaping/``) exposes its current limits; the
+    lead wires them here. Return ``{"limit": ..., "text": ...}`` while a limit
+    holds the queue, else None. Until then nothing is reported.
+    """
+    return None
+
+
+def _who_until(by: str, until: datetime | None) -> str:
+    parts = []
+    if by:
+        parts.append(f"by {by}")
+    parts.append(f"until {until.isoformat()}" if until else "until resumed by hand")
+    return " ".join(parts)
+
+
+# --- the answer -------------------------------------------------------------------------
+
+
+def _actions(reasons: list[Reason], message: Message, queue: Queue | None) -> list[Action]:
+    codes = {r.code for r in reasons}
+    out: list[Action] = []
+
+    def add(name: str, target: str, label: str, pk: int) -> None:
+        plural = "queues" if target == "queue" else "messages"
+        out.append(
+            Action(name, target, label, f"/api/v1/{plural}/{pk}/{name}/", f"/{plural}/{pk}/{name}/")
+        )
+
+    if codes & {"message_suspended", "poison"}:
+        add("resume", "message", "Resume the message", message.pk)
+    if queue is not None and "queue_suspended" in codes:
+        add("resume", "queue", "Resume the queue", queue.pk)
+    retryable = {"link_retry", "host_retry", "problem_message", "recipient_retry"}
+    if queue is not None and codes & retryable and not codes & {"queue_suspended"}:
+        add("retry", "queue", "Retry the queue now", queue.pk)
+    if codes & (retryable | {"unreachable", "poison", "rerouted"}):
+        add("resubmit", "message", "Resubmit the message to the categorizer", message.pk)
+    return out
+
+
+def _explain_recipient(
+    r: Recipient,
+    message: Message,
+    last: Attempt | None,
+    hints: dict[int, list[RetryHint]],
+    pressure: list[dict[str, Any]] | None,
+    now: datetime,
+) -> RecipientExplain:
+    queue: Queue | None = r.queue if r.queue_id else None
+    link: Link | None = queue.link if queue is not None and queue.link_id else None
+    reasons: list[Reason] = []
+    rule: Rule | None = None
+    first_failed: datetime | None = None
+    next_try: datetime | None = None
+    domain = r.address.rpartition("@")[2]
+
+    if r.state == RecipientState.ACTIVE:
+        lease = settings.MAILRELAY_DELIVERY_LEASE
+        since = r.lease_until - lease if r.lease_until else None
+        reasons.append(
+            Reason(
+                "in_flight",
+                f"In flight on worker {r.lease_owner or '?'}"
+                + (f" since about {since.isoformat()}" if since else "")
+                + ".",
+                {"worker": r.lease_owner, "since": since, "lease_until": r.lease_until},
+            )
+        )
+    if message.suspended:
+        by, until = message.suspended_by, message.suspended_until
+        if queue is not None and queue.delivery_type == DeliveryType.POISON:
+            reasons.append(
+                Reason(
+                    "poison",
+                    f"Parked in Poison after crashing workers {message.crash_count} time(s).",
+                    {"crash_count": message.crash_count},
+                )
+            )
+        else:
+            reasons.append(
+                Reason(
+                    "message_suspended",
+                    f"The message is suspended {_who_until(by, until)}.",
+                    {"by": by, "until": until},
+                )
+            )
+    if r.state == RecipientState.SUBMITTED:
+        if message.state == MessageState.CATEGORIZING:
+            reasons.append(
+                Reason(
+                    "categorizing",
+                    f"The categorizer {message.lease_owner or '?'} is routing it now.",
+                    {"worker": message.lease_owner, "lease_until": message.lease_until},
+                )
+            )
+        elif message.next_attempt_at > now:
+            next_try = message.next_attempt_at
+            reasons.append(
+                Reason(
+                    "submission",
+                    f"In Submission: the categorizer tries it again at {next_try.isoformat()}.",
+                    {"next_attempt_at": next_try},
+                )
+            )
+        else:
+            if pressure:
+                worst = max(pressure, key=lambda p: p["level"] == "high")
+                reasons.append(
+                    Reason(
+                        "backpressure",
+                        f"Back pressure: {worst['resource']} is {worst['level']} on "
+                        f"{worst['node']} (reading {worst['reading']}, threshold "
+                        f"{worst['threshold']}): the relay is behind.",
+                        {"resources": pressure},
+                    )
+                )
+            reasons.append(
+                Reason("submission", "In Submission: due, waiting for the categorizer.", {})
+            )
+    if queue is not None and queue.suspended:
+        by, until = queue.suspended_by, queue.suspended_until
+        reasons.append(
+            Reason(
+                "queue_suspended",
+                f"Its queue {queue.name} is suspended {_who_until(by, until)}.",
+                {"queue": queue.pk, "by": by, "until": until},
+            )
+        )
+    if queue is not None and queue.reroute_to:
+        until = queue.reroute_until
+        reasons.append(
+            Reason(
+                "rerouted",
+                f"Re-routed to {queue.reroute_to} until "
+                f"{until.isoformat() if until else 'unrouted by hand'}"
+                + (f" by {queue.reroute_by}" if queue.reroute_by else "")
+                + ".",
+                {"to": queue.reroute_to, "until": until, "by": queue.reroute_by},
+            )
+        )
+    waiting = r.state in (RecipientState.QUEUED, RecipientState.DEFERRED)
+    if waiting and queue is not None and queue.delivery_type == DeliveryType.UNREACHABLE:
+        next_try = r.next_attempt_at
+        reasons.append(
+            Reason(
+                "unreachable",
+                f"No route ({r.last_text or 'routing failed'}); the categorizer tries "
+                f"again at {next_try.isoformat()}.",
+                {"next_attempt_at": next_try, "error": r.last_text},
+            )
+        )
+    if waiting and queue is not None:
+        limit = shaping_limit(queue, now)
+        if limit is not None:
+            reasons.append(Reason("shaping", limit.get("text", "A shaping limit holds it."), limit))
+    if waiting and link is not None:
+        link_hints = hints.get(link.pk, [])
+        if link.state == LinkState.RETRY and link.next_retry_at and link.next_retry_at > now:
+            counter = _link_counter(link)
+            error = link_hints[0].error if link_hints else ""
+            host = link_hints[0].key[2:].split(":", 1)[0] if link_hints else None
+            rule = find_rule(f"postmaster@{domain}", error=error, host=host)
+            first_failed = link.first_failure_at
+            next_try = link.next_retry_at
+            reasons.append(
+                Reason(
+                    "link_retry",
+                    f"Its link {link.name} is in {counter} retry after "
+                    f"{link.failure_count} connection failure(s); next retry "
+                    f"{next_try.isoformat()}. Last error: {link.last_error or '—'}",
+                    {
+                        "link": link.pk,
+                        "counter": counter,
+                        "failure_count": link.failure_count,
+                        "next_retry_at": next_try,
+                        "last_error": link.last_error,
+                    },
+                )
+            )
+        for hint in link_hints:
+            host = hint.key[2:].split(":", 1)[0]
+            matched = find_rule(f"postmaster@{domain}", error=hint.error, host=host)
+            reasons.append(
+                Reason(
+                    "host_retry",
+                    f"Host {host} is skipped until {hint.next_try.isoformat()} by its retry "
+                    f"data ({hint.error or 'error'}: {hint.text or '—'}), rule: "
+                    f"{matched.text if matched else 'none'}.",
+                    {
+                        "host": host,
+                        "key": hint.key,
+                        "error": hint.error,
+                        "text": hint.text,
+                        "next_try": hint.next_try,
+                        "first_failed": hint.first_failed,
+                        "rule": rule_info(matched),
+                    },
+                )
+            )
+        if rule is None and r.state == RecipientState.DEFERRED and r.next_attempt_at > now:
+            error = (
+                retry.error_name(
+                    last.phase, last.code, via_mx=link.delivery_type == DeliveryType.DNS_MX
+                )
+                if last is not None
+                else ""
+            )
+            rule = find_rule(r.address, error=error, sender=message.mail_from)
+            first_failed = r.first_failure_at
+            next_try = r.next_attempt_at
+            if message.problem:
+                reasons.append(
+                    Reason(
+                        "problem_message",
+                        f"A problem message ({message.per_message_failures} per-message "
+                        f"failures): retried at {next_try.isoformat()} so it cannot hold up "
+                        "the others.",
+                        {
+                            "per_message_failures": message.per_message_failures,
+                            "next_attempt_at": next_try,
+                        },
+                    )
+                )
+            else:
+                reasons.append(
+                    Reason(
+                        "recipient_retry",
+                        f"Deferred ({error or 'temporary failure'}); next try "
+                        f"{next_try.isoformat()}.",
+                        {"error": error, "next_attempt_at": next_try},
+                    )
+                )
+    if waiting and not reasons:
+        reasons.append(Reason("due", "Due now: waiting for a delivery round.", {}))
+    elif waiting and all(x.code in ("host_retry", "rerouted") for x in reasons):
+        reasons.append(Reason("due", "Due now: waiting for a delivery round.", {}))
+        reasons.sort(key=lambda x: x.code != "due")
+
+    schedule: list[dict[str, Any]] = []
+    tries, cutoff_at = schedule_after(rule, first_failed, now, message.expires_at)
+    schedule += [{"at": t, "kind": "retry"} for t in tries]
+    delay_at = None
+    notify = r.notify.upper()
+    if (
+        not r.delay_dsn_sent
+        and message.mail_from
+        and "NEVER" not in notify
+        and (not notify or "DELAY" in notify)
+        and message.source != "dsn"
+    ):
+        delay_at = message.received_at + settings.MAILRELAY_DELAY_NOTIFICATION_TIMEOUT
+        schedule.append({"at": delay_at, "kind": "delay_dsn"})
+    if cutoff_at is not None:
+        schedule.append({"at": cutoff_at, "kind": "final_cutoff"})
+    schedule.append({"at": message.expires_at, "kind": "expires"})
+    schedule.sort(key=lambda s: s["at"])
+
+    last_reply = None
+    if r.last_attempt_at or r.last_text:
+        last_reply = {
+            "code": r.last_code,
+            "enhanced": r.last_enhanced,
+            "text": r.last_text,
+            "host": r.last_host,
+            "at": r.last_attempt_at,
+        }
+    return RecipientExplain(
+        recipient_id=r.pk,
+        address=r.address,
+        state=r.state,
+        queue={"id": queue.pk, "name": queue.name, "type": queue.delivery_type} if queue else None,
+        reason=reasons[0].code if reasons else "",
+        reasons=reasons,
+        rule=rule_info(rule),
+        last_reply=last_reply,
+        next_try_at=next_try,
+        schedule=schedule,
+        delay_dsn_at=delay_at,
+        final_cutoff_at=cutoff_at,
+        expires_at=message.expires_at,
+        actions=_actions(reasons, message, queue),
+    )
+
+
+def explain_message(message: Message, now: datetime) -> MessageExplain:
+    """Why each recipient of ``message`` not yet final is waiting (see the module doc)."""
+    recipients = [
+        r
+        for r in Recipient.objects.filter(message=message)
+        .select_related("queue", "queue__link")
+        .order_by("id")
+        if r.state not in FINAL_RECIPIENT_STATES
+    ]
+    links = {r.queue.link_id: r.queue.link for r in recipients if r.queue_id and r.queue.link_id}
+    hints = _host_hints(list(links.values()), now) if links else {}
+    last = (
+        _last_attempts(message)
+        if any(r.attempt_count or r.state == RecipientState.DEFERRED for r in recipients)
+        else {}
+    )
+    pressure = (
+        _pressure()
+        if message.state == MessageState.SUBMISSION and message.next_attempt_at <= now
+        else None
+    )
+    out = [_explain_recipient(r, message, last.get(r.pk), hints, pressure, now) for r in recipients]
+    if out:
+        summary = out[0].reasons[0].text if out[0].reasons else ""
+    elif message.state == MessageState.DONE:
+        summary = "Finished: every recipient is final."
+    else:
+        summary = "No recipient is waiting."
+    return MessageExplain(message.pk, message.qid, message.state, now, summary, out)
+
+
+def explain_queue(queue: Queue, now: datetime) -> dict[str, Any] | None:
+    """The explain of the first recipient in line in ``queue`` (the queue page's summary):
+    the next due, by the delivery claim's own index (recipient_waiting)."""
+    oldest = (
+        Recipient.objects.filter(
+            queue=queue, state__in=(RecipientState.QUEUED, RecipientState.DEFERRED)
+        )
+        .order_by("next_attempt_at", "message_id")
+        .values_list("message_id", flat=True)
+        .first()
+    )
+    if oldest is None:
+        return None
+    message = Message.objects.defer("data").get(pk=oldest)
+    result = explain_message(message, now)
+    mine = [x for x in result.recipients if x.queue and x.queue["id"] == queue.pk]
+    if not mine:
+        return None
+    first = mine[0]
+    return _jsonable(
+        {
+            "message": {"id": message.pk, "qid": message.qid},
+            "recipient": first.address,
+            "reason": first.reason,
+            "reasons": [asdict(x) for x in first.reasons],
+            "next_try_at": first.next_try_at,
+            "rule": first.rule,
+        }
+    )

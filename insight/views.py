@@ -1,0 +1,165 @@
+"""Queue Viewer pages of operator insight: Incidents, and a queue's own live page."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import Count, Max, Min
+from django.db.models.functions import TruncMinute
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404
+from django.views.decorators.http import require_GET
+
+from insight.deferrals import deferral_groups
+from insight.explain import explain_queue
+from insight.incidents import incidents
+from queues import clock
+from queues.models import Attempt, AttemptOutcome, Queue, QueueSample
+from queues.ui.views import _page, _query, _queue_live, _queue_row, viewer_required
+
+CHART_WINDOW = timedelta(hours=2)  # QueueSample keeps two hours
+TOP_ERRORS = 5
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def spark(values: list[int]) -> str:
+    top = max(values) if values else 0
+    if not top:
+        return SPARK[0] * len(values)
+    return "".join(SPARK[min(len(SPARK) - 1, round(v * (len(SPARK) - 1) / top))] for v in values)
+
+
+@viewer_required
+@require_GET
+def incidents_page(request: HttpRequest) -> HttpResponse:
+    found = incidents(clock.now())
+    rows = []
+    for inc in found.by_provider:
+        d = inc.as_dict()
+        d["spark"] = spark(inc.trend)
+        d["queue_links"] = [
+            {"name": q["name"], "query": _query({"queue": str(q["id"]), "error_group": inc.error})}
+            for q in d["queues"]
+        ]
+        rows.append(d)
+    errors = [dict(i.as_dict(), spark=spark(i.trend)) for i in found.by_error]
+    return _page(
+        request,
+        "insight/incidents.html",
+        "incidents",
+        incidents=rows,
+        errors=errors,
+        as_of=found.as_of,
+        deferred=found.deferred,
+    )
+
+
+def _first_attempt_id_since(when: datetime) -> int | None:
+    """The first Attempt id started at or after ``when``: ids grow with time, so a
+    binary search over the primary key (a few lookups) replaces an index on time."""
+    bounds = Attempt.objects.aggregate(lo=Min("id"), hi=Max("id"))
+    lo, hi = bounds["lo"], bounds["hi"]
+    if lo is None:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        row = Attempt.objects.filter(id__gte=mid).order_by("id").values("id", "started_at").first()
+        if row is None or row["started_at"] >= when:
+            hi = mid
+        else:
+            lo = row["id"] + 1
+    return lo
+
+
+def history(queue: Queue, now: datetime) -> list[dict[str, Any]]:
+    """The queue's samples (depth, in, out per minute) and its deferrals per minute."""
+    since = now - CHART_WINDOW
+    samples = list(
+        QueueSample.objects.filter(
+            queue=queue, sampled_at__gte=since, sampled_at__lte=now
+        ).order_by("sampled_at")
+    )
+    deferred: dict[datetime, int] = {}
+    first = _first_attempt_id_since(since)
+    if first is not None:
+        rows = (
+            Attempt.objects.filter(
+                id__gte=first, queue=queue, outcome=AttemptOutcome.DEFERRED, started_at__gte=since
+            )
+            .annotate(minute=TruncMinute("started_at"))
+            .values("minute")
+            .annotate(n=Count("id"))
+            .order_by()
+        )
+        deferred = {r["minute"]: r["n"] for r in rows}
+    points = []
+    for s in samples:
+        start = s.sampled_at - timedelta(seconds=s.seconds or 60)
+        n = sum(v for m, v in deferred.items() if start < m + timedelta(seconds=30) <= s.sampled_at)
+        minutes = (s.seconds or 60) / 60
+        points.append(
+            {
+                "t": s.sampled_at.isoformat(),
+                "label": s.sampled_at.strftime("%H:%M"),
+                "depth": s.depth,
+                "in": round(s.incoming / minutes, 2),
+                "out": round((s.delivered + s.failed) / minutes, 2),
+                "deferred": round(n / minutes, 2),
+            }
+        )
+    return points
+
+
+def _live(queue: Queue, now: datetime) -> dict[str, Any]:
+    row = _queue_row(queue, now)
+    link = queue.link if queue.link_id else None
+    groups = sorted(deferral_groups(now, queue.pk).groups, key=lambda g: -g.recipients)
+    return {
+        "now": now.isoformat(),
+        "queue": _queue_live(row),
+        "link": {
+            "name": link.name,
+            "state": link.state,
+            "tls": link.last_tls,
+            "failure_count": link.failure_count,
+            "next_retry_at": link.next_retry_at.isoformat() if link.next_retry_at else None,
+            "last_error": link.last_error,
+        }
+        if link
+        else None,
+        "explain": explain_queue(queue, now),
+        "top_errors": [
+            {
+                "code": g.code,
+                "enhanced": g.enhanced,
+                "text": g.text,
+                "recipients": g.recipients,
+                "query": _query({"queue": str(queue.pk), "error_group": g.text}),
+            }
+            for g in groups[:TOP_ERRORS]
+        ],
+        "history": history(queue, now),
+    }
+
+
+@viewer_required
+@require_GET
+def queue_page(request: HttpRequest, pk: int) -> HttpResponse:
+    queue = get_object_or_404(Queue.objects.select_related("link"), pk=pk)
+    now = clock.now()
+    return _page(
+        request,
+        "insight/queue.html",
+        "queues",
+        q=queue,
+        row=_queue_row(queue, now),
+        live=_live(queue, now),
+    )
+
+
+@viewer_required
+@require_GET
+def queue_live(request: HttpRequest, pk: int) -> JsonResponse:
+    queue = get_object_or_404(Queue.objects.select_related("link"), pk=pk)
+    return JsonResponse(_live(queue, clock.now()))

@@ -1,0 +1,170 @@
+"""Timed operator actions: a suspension or a re-route that ends by itself.
+
+An operator may suspend a queue or a message, or re-route a queue, *until* a
+time (``Queue.suspended_until``, ``Message.suspended_until``,
+``Queue.reroute_until``; None: until undone by hand). ``end_due`` is run by the
+sweep and by the quicker reclaim beat (``delivery.sweep``): it resumes what is
+due and ends due re-routes with the same cores the operator's resume and
+unroute run, each in its own transaction, and rings the engine (the cores
+send ``queues.signals`` after commit). Each automatic end is an ``Event`` on
+the queue or message, naming who started it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from django.db import transaction
+from django.utils.dateparse import parse_datetime
+
+from queues.models import Event, EventLevel, Message, MessageState, Queue
+from queues.services.action_errors import ActionInvalid
+from queues.units import format_duration, parse_duration
+
+# Messages whose suspension ends in one pass (the rest in the next one).
+RESUME_BATCH = 1000
+
+
+def parse_until(text: str | datetime | None, now: datetime) -> datetime | None:
+    """``until`` as an operator gives it: a duration from now (``90s``, ``2h``,
+    ``1d``) or an ISO 8601 time (UTC when it names no zone); "" or None: no end.
+    Raises ActionInvalid for anything else, or for a time not after ``now``."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, datetime):
+        when = text
+    else:
+        text = text.strip()
+        try:
+            when = now + parse_duration(text)
+        except ValueError:
+            try:
+                parsed = parse_datetime(text)
+            except ValueError:
+                parsed = None
+            if parsed is None:
+                raise ActionInvalid(
+                    f"until: {text!r} is neither a duration (90s, 2h, 1d) "
+                    "nor a time (2026-05-01T08:00:00Z)"
+                ) from None
+            when = parsed
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    if when <= now:
+        raise ActionInvalid(f"until: {when.isoformat()} is not in the future")
+    return when
+
+
+def until_text(until: datetime | None, now: datetime | None = None) -> str:
+    """``until 2026-05-01 08:00:00 UTC`` (``(in 2h)`` with ``now``), "" for no end."""
+    if until is None:
+        return ""
+    text = f"until {until.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+    if now is not None and until > now:
+        text += f" (in {format_duration(until - now, units=2)})"
+    return text
+
+
+@dataclass
+class TimedReport:
+    queues_resumed: int = 0
+    messages_resumed: int = 0
+    reroutes_ended: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.queues_resumed + self.messages_resumed + self.reroutes_ended
+
+
+def _event(now: datetime, kind: str, text: str, **refs: object) -> Event:
+    return Event(created_at=now, level=EventLevel.INFO, kind=kind, text=text, **refs)
+
+
+def _resume_queues(now: datetime, report: TimedReport) -> None:
+    from queues.services.actions import QueueAction, queue_core
+
+    due = Queue.objects.filter(suspended=True, suspended_until__lte=now)
+    for queue_id in list(due.values_list("id", flat=True)):
+        with transaction.atomic():
+            queue = (
+                due.select_for_update(skip_locked=True, of=("self",))
+                .select_related("link")
+                .filter(pk=queue_id)
+                .first()
+            )
+            if queue is None:  # resumed by hand meanwhile, or locked by an operator
+                continue
+            by = queue.suspended_by
+            queue_core(QueueAction.RESUME)(queue, now)
+            _event(
+                now,
+                "suspend_ended",
+                f"queue {queue.name}: suspension by {by or 'an operator'} ended "
+                f"({until_text(queue.suspended_until)}); delivering again",
+                queue=queue,
+            ).save()
+        report.queues_resumed += 1
+
+
+def _resume_messages(now: datetime, report: TimedReport) -> None:
+    from queues.services.actions import resume_messages
+
+    # The partial index message_suspended_until: cheap however large the store.
+    due = Message.objects.filter(suspended_until__lte=now, suspended=True).exclude(
+        state=MessageState.DONE
+    )
+    # One query when nothing is due; the rows are locked (and checked again) after.
+    ids = list(due.order_by("suspended_until", "id").values_list("id", flat=True)[:RESUME_BATCH])
+    if not ids:
+        return
+    with transaction.atomic():
+        rows = list(
+            due.filter(id__in=ids)
+            .select_for_update(skip_locked=True, of=("self",))
+            .order_by("suspended_until", "id")
+            .values_list("id", "qid", "suspended_by", "suspended_until")
+        )
+        if not rows:
+            return
+        resume_messages([mid for mid, *_ in rows], now)
+        Event.objects.bulk_create(
+            _event(
+                now,
+                "suspend_ended",
+                f"message {qid}: suspension by {by or 'an operator'} ended "
+                f"({until_text(until)}); released",
+                message_id=mid,
+            )
+            for mid, qid, by, until in rows
+        )
+    report.messages_resumed += len(rows)
+
+
+def _end_reroutes(now: datetime, report: TimedReport) -> None:
+    from queues.services import reroute
+
+    due = Queue.objects.filter(reroute_until__lte=now).exclude(reroute_to="")
+    for queue_id in list(due.values_list("id", flat=True)):
+        with transaction.atomic():
+            queue = (
+                due.select_for_update(skip_locked=True, of=("self",))
+                .select_related("link")
+                .filter(pk=queue_id)
+                .first()
+            )
+            if queue is None:
+                continue
+            reroute.end(queue, now, reason="its end time came")
+        report.reroutes_ended += 1
+
+
+def end_due(now: datetime) -> TimedReport:
+    """Resume the suspensions and end the re-routes whose time came (the sweep
+    and the reclaim beat run this). Three small indexed queries when nothing
+    is due."""
+    report = TimedReport()
+    _resume_queues(now, report)
+    _resume_messages(now, report)
+    _end_reroutes(now, report)
+    return report

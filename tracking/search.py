@@ -1,0 +1,164 @@
+"""Search of the tracking rows, shared by the UI, the API and ``manage.py track``.
+
+Each criterion is answered by an index of ``tracking_event`` (tracking.partitions):
+sender and recipient (exact, any case), Message-ID (with or without its
+angle brackets), our queue id, the remote queue id, event kinds, and a time
+window; newest first, paged by a cursor on (at, id).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+
+from django.db.models import Q, QuerySet
+from django.db.models.functions import Lower
+from django.utils.dateparse import parse_datetime
+
+from queues import clock
+from queues.units import parse_duration
+from tracking.events import TRACKING_EVENTS
+from tracking.models import TrackingEvent
+
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 500
+
+
+class SearchError(ValueError):
+    """A criterion that cannot be understood (HTTP 400, a command error)."""
+
+
+@dataclass
+class TrackingQuery:
+    sender: str = ""
+    recipient: str = ""
+    message_id: str = ""
+    qid: str = ""
+    remote_id: str = ""
+    event: list[str] = field(default_factory=list)
+    since: datetime | None = None
+    until: datetime | None = None
+
+    @property
+    def criteria(self) -> dict[str, str]:
+        """The criteria given, as text (for links and the page)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value:
+                out[f.name] = (
+                    ",".join(value)
+                    if isinstance(value, list)
+                    else value.isoformat()
+                    if isinstance(value, datetime)
+                    else value
+                )
+        return out
+
+
+PARAMETERS = ("sender", "recipient", "message_id", "qid", "remote_id", "event", "since", "until")
+
+
+def parse_time(name: str, text: str, now: datetime) -> datetime:
+    """``2d`` (that long ago) or an ISO 8601 time (UTC when it names no zone)."""
+    text = text.strip()
+    try:
+        return now - parse_duration(text)
+    except (ValueError, TypeError):
+        pass
+    try:
+        value = parse_datetime(text)
+    except ValueError:
+        value = None
+    if value is None:
+        raise SearchError(f"{name}: {text!r} is neither a duration (2d, 90m) nor an ISO time")
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=clock.now().tzinfo)
+    return value
+
+
+def parse_query(params: Mapping[str, str]) -> TrackingQuery:
+    now = clock.now()
+    query = TrackingQuery()
+    for name in ("sender", "recipient", "message_id", "qid", "remote_id"):
+        setattr(query, name, (params.get(name) or "").strip())
+    kinds = [k.strip() for k in (params.get("event") or "").split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in TRACKING_EVENTS]
+    if unknown:
+        raise SearchError(
+            f"event: unknown {', '.join(unknown)} (one of {', '.join(TRACKING_EVENTS)})"
+        )
+    query.event = kinds
+    for name in ("since", "until"):
+        if params.get(name):
+            setattr(query, name, parse_time(name, params[name], now))
+    return query
+
+
+def queryset(query: TrackingQuery) -> QuerySet[TrackingEvent]:
+    qs = TrackingEvent.objects.all()
+    if query.sender:
+        qs = qs.alias(sender_lower=Lower("sender")).filter(sender_lower=query.sender.lower())
+    if query.recipient:
+        qs = qs.alias(rcpt_lower=Lower("recipient")).filter(rcpt_lower=query.recipient.lower())
+    if query.message_id:
+        bare = query.message_id.strip("<>")
+        qs = qs.filter(message_id__in=[f"<{bare}>", bare])
+    if query.qid:
+        qs = qs.filter(qid=query.qid)
+    if query.remote_id:
+        qs = qs.filter(remote_id=query.remote_id)
+    if query.event:
+        qs = qs.filter(event__in=query.event)
+    if query.since:
+        qs = qs.filter(at__gte=query.since)
+    if query.until:
+        qs = qs.filter(at__lt=query.until)
+    return qs
+
+
+def encode_cursor(row: TrackingEvent) -> str:
+    text = f"{row.at.timestamp():.6f}:{row.id}"
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, int]:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        stamp, _, ident = text.partition(":")
+        at = datetime.fromtimestamp(float(stamp), tz=clock.now().tzinfo)
+        return at, int(ident)
+    except (ValueError, UnicodeDecodeError, OverflowError):
+        raise SearchError("cursor: not a cursor of this search") from None
+
+
+@dataclass
+class Page:
+    rows: list[TrackingEvent]
+    next_cursor: str | None
+
+
+def search(query: TrackingQuery, limit: int = DEFAULT_LIMIT, cursor: str | None = None) -> Page:
+    """One page of matching rows, newest first."""
+    if not 1 <= limit <= MAX_LIMIT:
+        raise SearchError(f"limit: must be between 1 and {MAX_LIMIT}")
+    qs = queryset(query)
+    if cursor:
+        at, ident = decode_cursor(cursor)
+        # (at, id) < cursor, written so the at index bounds it.
+        qs = qs.filter(at__lte=at).filter(Q(at__lt=at) | Q(id__lt=ident))
+    rows = list(qs.order_by("-at", "-id")[: limit + 1])
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page(rows, encode_cursor(rows[-1]) if more and rows else None)
+
+
+def parse_limit(value: str | None) -> int:
+    if not value:
+        return DEFAULT_LIMIT
+    try:
+        return int(value)
+    except ValueError:
+        raise SearchError(f"limit: {value!r} is not a number") from None

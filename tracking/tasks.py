@@ -1,0 +1,54 @@
+"""Celery tasks of tracking and webhooks (doorbells; the database holds the work).
+
+``send_webhooks`` runs in the queue ``webhooks`` (its own thread-pool worker),
+``webhook_sweep`` and ``maintain`` in ``control`` from beat.
+"""
+
+from __future__ import annotations
+
+import time
+
+from celery import shared_task
+from django.conf import settings
+
+from queues import clock
+from tracking import partitions, sender
+
+SLICE_SECONDS = 60
+
+
+@shared_task(name="tracking.tasks.send_webhooks")
+def send_webhooks() -> int:
+    """Send due webhooks until none is due (or a minute passed: then ring again)."""
+    started = time.monotonic()
+    owner = sender.owner_id()
+    total = 0
+    while taken := sender.send_due(owner):
+        total += taken
+        if time.monotonic() - started > SLICE_SECONDS:
+            send_webhooks.delay()
+            break
+    return total
+
+
+@shared_task(name="tracking.tasks.webhook_sweep")
+def webhook_sweep() -> bool:
+    """Beat's safety net: ring the sender when due webhooks wait (a ring was lost)."""
+    if sender.has_due():
+        send_webhooks.delay()
+        return True
+    return False
+
+
+@shared_task(name="tracking.tasks.maintain")
+def maintain() -> dict:
+    """Partitions of the coming days, tracking rows past retention, old webhook rows."""
+    now = clock.now()
+    report = partitions.maintain(now, settings.MAILRELAY_TRACKING_RETENTION)
+    pruned_webhooks = sender.prune(now)
+    return {
+        "created": report.created,
+        "dropped": report.dropped,
+        "pruned": report.pruned,
+        "webhooks_pruned": pruned_webhooks,
+    }
