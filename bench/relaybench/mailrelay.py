@@ -40,10 +40,12 @@ import redis
 from .procmon import postgres_labels, process_group_labels
 from .util import Procs, wait_port
 
-DB_NAME = "mailrelay_bench"
+# Two benches side by side (e.g. two people tuning) need their own database and
+# Redis database: MAILRELAY_BENCH_DB_NAME, MAILRELAY_BENCH_REDIS_DB.
+DB_NAME = os.environ.get("MAILRELAY_BENCH_DB_NAME", "mailrelay_bench")
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DB_URL = f"postgres://postgres@127.0.0.1:5432/{DB_NAME}"
-REDIS_URL = "redis://127.0.0.1:6379/13"
+REDIS_URL = f"redis://127.0.0.1:6379/{os.environ.get('MAILRELAY_BENCH_REDIS_DB', '13')}"
 DKIM_ALGORITHMS = ("none", "rsa", "ed25519")
 DKIM_SELECTOR = "bench"
 MESSAGE_TABLES = ("queues_attempt", "queues_event", "queues_recipient", "queues_message")
