@@ -446,7 +446,9 @@ MAILRELAY_WEBHOOK_TIMEOUT = env_duration("MAILRELAY_WEBHOOK_TIMEOUT", "5s")
 MAILRELAY_WEBHOOK_RETRY_FOR = env_duration("MAILRELAY_WEBHOOK_RETRY_FOR", "24h")
 MAILRELAY_WEBHOOK_CONCURRENCY = env_int("MAILRELAY_WEBHOOK_CONCURRENCY", 4)
 # Beat: tracking partitions and retention hourly; a ring for due webhooks (a lost ring).
-CELERY_BEAT_SCHEDULE = {
+# Added to the schedule above (insight), never assigned again: one assignment
+# would drop the other's tasks (tests/test_deployment.py checks them all).
+CELERY_BEAT_SCHEDULE |= {
     "tracking partitions and retention": {"task": "tracking.tasks.maintain", "schedule": 3600.0},
     "ring for due webhooks": {"task": "tracking.tasks.webhook_sweep", "schedule": 30.0},
 }

@@ -92,6 +92,23 @@ def test_tasks_are_routed_to_the_queues_the_workers_consume():
     assert {q.name for q in app.conf.task_queues} == {"control", "delivery", "webhooks"}
 
 
+def test_beat_runs_every_periodic_task():
+    """Every periodic task is in the beat schedule (a settings block that assigned
+    CELERY_BEAT_SCHEDULE again once dropped the alerts and the deferral summary)."""
+    from mailrelay.celery import app
+
+    app.loader.import_default_modules()
+    app.finalize()
+    tasks = {entry["task"] for entry in app.conf.beat_schedule.values()}
+    assert tasks >= {
+        "delivery.tasks.sweep",
+        "delivery.tasks.reclaim",
+        "insight.tasks.refresh",
+        "tracking.tasks.maintain",
+        "tracking.tasks.webhook_sweep",
+    }
+
+
 def _pins() -> dict[str, str]:
     pins = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
