@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 
 from delivery import bell, retry
 from delivery.ownership import Claim, while_connected
@@ -31,7 +31,7 @@ from queues.models import (
     RecipientState,
 )
 from queues.services.notify import notify
-from queues.services.placement import queue_for_route, special_queue
+from queues.services.placement import placement_for_route, special_queue
 from tracking import hooks as tracking
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,12 @@ class _Placement:
 
 def claim_batch(owner: str, limit: int) -> list[int]:
     """Take up to ``limit`` due Submission messages (one, when it needs isolating)."""
-    return Message.objects.claim_for_categorizer(
+    return [mid for mid, _ in claim_counted(owner, limit)]
+
+
+def claim_counted(owner: str, limit: int) -> list[tuple[int, int]]:
+    """``claim_batch`` with each message's crash count (the poison check)."""
+    return Message.objects.claim_for_categorizer_counted(
         owner, limit, clock.now(), settings.MAILRELAY_DELIVERY_LEASE
     )
 
@@ -92,8 +97,14 @@ def _route_all(
     return placements
 
 
-def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int]:
-    """Write the decisions; return the ids of links that received work."""
+def _apply(
+    placements: dict[str, _Placement],
+    message_ids: list[int],
+    facts: dict[int, tuple] | None = None,
+) -> set[int]:
+    """Write the decisions (the messages, ours, are already queued: Message.
+    objects.queue_owned); return the ids of links that received work. ``facts``:
+    what the tracking rows need of each recipient (tracking.hooks.PLACED_FACTS)."""
     now = clock.now()
     specials: dict[str, Queue] = {}
 
@@ -105,23 +116,24 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
     links: set[int] = set()
     failed: list[Attempt] = []
     failed_ids: list[int] = []
+    routed: list[tuple[int, int]] = []  # (recipient, queue): placed in one statement
     for domain, placement in placements.items():
         if not placement.recipient_ids:
             continue
         # SUBMITTED only: an expiry or an operator may have finished a row meanwhile.
         rows = Recipient.objects.filter(
-            id__in=placement.recipient_ids, state=RecipientState.SUBMITTED
+            id__any=placement.recipient_ids, state=RecipientState.SUBMITTED
         )
         if placement.route is not None:
             route = placement.route
-            queue = queue_for_route(
+            queue = placement_for_route(
                 route.delivery_type,
                 route.queue_name,
                 route.link_name,
                 [hop.as_json() for hop in route.hosts],
                 now,
             )
-            rows.place(queue.pk, now)
+            routed.extend((rid, queue.queue_id) for rid in placement.recipient_ids)
             if not queue.suspended and queue.link_id:
                 links.add(queue.link_id)
             continue
@@ -160,18 +172,19 @@ def _apply(placements: dict[str, _Placement], message_ids: list[int]) -> set[int
                     outcome=AttemptOutcome.FAILED if error.permanent else AttemptOutcome.DEFERRED,
                 )
             )
-    tracking.placed(placements, now)  # received / routed rows, one INSERT per batch
-    Attempt.objects.bulk_create(failed)
-    counters.record_delivery(failed)
-    _notify_failures(failed_ids, now)
-    Message.objects.filter(id__in=message_ids).categorized()
+    Recipient.objects.place_many(routed, now)
+    tracking.placed(placements, now, facts)  # received / routed rows, one INSERT per batch
+    if failed:
+        Attempt.objects.bulk_create(failed)
+        counters.record_delivery(failed)
+        _notify_failures(failed_ids, now)
     # A recipient sent back to Submission while we worked (sweep, operator)
     # must not be stranded: its message goes back to Submission too.
-    Message.objects.filter(id__in=message_ids).with_submitted_recipients().back_to_submission(now)
+    Message.objects.resubmit_if_recipients_submitted(message_ids, now)
     if failed:
         # Only a message with a routing failure here can have become finished:
         # routed recipients wait in a queue (no query per batch otherwise).
-        Message.objects.filter(id__in={a.message_id for a in failed}).finish(now)
+        Message.objects.filter(id__any={a.message_id for a in failed}).finish(now)
     return links
 
 
@@ -204,13 +217,12 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     """
     owner = owner or worker_id()
     limit = limit or settings.MAILRELAY_CATEGORIZER_BATCH
-    ids = claim_batch(owner, limit)
-    if not ids:
+    claimed = claim_counted(owner, limit)
+    if not claimed:
         return 0
+    ids = [mid for mid, _ in claimed]
     threshold = settings.MAILRELAY_POISON_THRESHOLD
-    poisoned = set(
-        Message.objects.filter(id__in=ids, crash_count__gt=threshold).values_list("id", flat=True)
-    )
+    poisoned = {mid for mid, crashes in claimed if crashes > threshold}
     if poisoned:
         park_poison(sorted(poisoned))
         ids = [i for i in ids if i not in poisoned]
@@ -236,8 +248,14 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
                 _release_after_crash(mid, count=True)
     # A link whose delivery task is running needs no new task: that task looks
     # for due work again after it lets go of the link (delivery.deliver_link).
-    busy = set(
-        Link.objects.filter(id__in=links, lease_until__gt=clock.now()).values_list("id", flat=True)
+    busy = (
+        set(
+            Link.objects.filter(id__any=links, lease_until__gt=clock.now()).values_list(
+                "id", flat=True
+            )
+        )
+        if links
+        else set()
     )
     for link_id in sorted(links - busy):
         bell.ring_link(link_id)
@@ -245,31 +263,49 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
 
 
 def _process(ids: list[int], owner: str, claim: Claim | None = None) -> set[int]:
-    recipients = list(
-        Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED).values_list(
-            "id", "domain", "message_id"
-        )
-    )
-    placements = _route_all(
-        {domain for _, domain, _ in recipients},
-        Router.from_settings(),
-        claim,
-    )
+    recipients = _to_route(ids)
+    placements = _route_all({r[0] for r in recipients}, Router.from_settings(), claim)
     with transaction.atomic():
         # Only messages still ours: had the claim expired, another categorizer
-        # owns them now and will place them itself.
-        mine = set(
-            Message.objects.select_for_update()
-            .filter(id__in=ids)
-            .owned_by(owner)
-            .values_list("id", flat=True)
-        )
+        # owns them now and will place them itself. Ours become queued here, in
+        # the transaction that places their recipients (one UPDATE of each).
+        mine = set(Message.objects.queue_owned(ids, owner))
         if not mine:
             return set()
-        for rid, domain, mid in recipients:
+        facts: dict[int, tuple] = {}
+        for domain, *fact in recipients:
+            rid, mid = fact[0], fact[2]
             if mid in mine:
                 placements[domain].recipient_ids.append(rid)
-        return _apply(placements, sorted(mine))
+                facts[rid] = tuple(fact)
+        return _apply(placements, sorted(mine), facts)
+
+
+# The recipients to route with what their tracking rows need (domain, then
+# tracking.hooks.PLACED_FACTS): one hand-written SELECT on PostgreSQL.
+_PG_TO_ROUTE = (
+    "SELECT r.domain, r.id, r.address, r.message_id, m.qid, m.mail_from, m.message_id, "
+    "m.client_address, m.auth_account, m.size, m.received_at, m.next_attempt_at, m.source "
+    "FROM queues_recipient AS r JOIN queues_message AS m ON m.id = r.message_id "
+    "WHERE r.message_id = ANY(%s::bigint[]) AND r.state = %s ORDER BY r.id"
+)
+
+
+def _to_route(ids: list[int]) -> list[tuple]:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cur:
+            cur.execute(_PG_TO_ROUTE, [list(ids), RecipientState.SUBMITTED])
+            return [(*row[:7], _inet(row[7]), *row[8:]) for row in cur.fetchall()]
+    return list(
+        Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED)
+        .order_by("id")
+        .values_list("domain", *tracking.PLACED_FACTS)
+    )
+
+
+def _inet(value: object) -> str | None:
+    """client_address as the ORM gives it (a string; psycopg loads inet as an address)."""
+    return None if value is None else str(value)
 
 
 def _release_after_crash(message_id: int, *, count: bool) -> None:

@@ -9,6 +9,7 @@ one round trip, typed parameters. Other databases use ``bulk_update``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import psycopg
 import psycopg.adapt
@@ -43,8 +44,120 @@ def bulk_update_rows(rows: Sequence[models.Model], fields: Sequence[str]) -> Non
         cursor.execute(sql, params)
 
 
-def _values(obj: models.Model, fields: Sequence[models.Field]) -> list[object]:
-    return [field.get_db_prep_save(getattr(obj, field.attname), connection) for field in fields]
+@dataclass(frozen=True)
+class _InsertShape:
+    """The fields and SQL pieces of a parent-with-children insert, built once per model pair."""
+
+    parent_fields: tuple[models.Field, ...]
+    child_fields: tuple[models.Field, ...]
+    parent_table: str
+    parent_columns: str
+    pk_column: str
+    child_table: str
+    fk_column: str
+    child_columns: str
+    child_casts: tuple[str, ...]  # "::type" of each child column
+    child_columns_of_v: str  # "v.col, …"
+
+
+_SHAPES: dict[tuple[type, type, str, str], _InsertShape] = {}
+
+
+def _shape(model: type[models.Model], child_model: type[models.Model], fk: str) -> _InsertShape:
+    key = (model, child_model, fk, connection.vendor)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        quote = connection.ops.quote_name
+        meta, child_meta = model._meta, child_model._meta
+        fk_field = child_meta.get_field(fk)
+        parent_fields = tuple(f for f in meta.concrete_fields if not f.primary_key)
+        child_fields = tuple(
+            f for f in child_meta.concrete_fields if not f.primary_key and f is not fk_field
+        )
+        shape = _SHAPES[key] = _InsertShape(
+            parent_fields=parent_fields,
+            child_fields=child_fields,
+            parent_table=quote(meta.db_table),
+            parent_columns=", ".join(quote(f.column) for f in parent_fields),
+            pk_column=quote(meta.pk.column),
+            child_table=quote(child_meta.db_table),
+            fk_column=quote(fk_field.column),
+            child_columns=", ".join(quote(f.column) for f in child_fields),
+            child_columns_of_v=", ".join("v." + quote(f.column) for f in child_fields),
+            child_casts=tuple(f"::{f.db_type(connection)}" for f in child_fields),
+        )
+    return shape
+
+
+class _Params:
+    """Query parameters with PostgreSQL's own ``$n`` placeholders.
+
+    The statements here are long (a batch of messages with its recipients):
+    psycopg would parse ``%s`` placeholders out of each one with a regular
+    expression (its cache takes only short queries), which cost more than
+    building them. ``psycopg.RawCursor`` sends ``$n`` as written.
+    """
+
+    def __init__(self) -> None:
+        self.values: list[object] = []
+
+    def add(self, value: object) -> str:
+        self.values.append(value)
+        return f"${len(self.values)}"
+
+    def row(self, values: Sequence[object], casts: Sequence[str]) -> str:
+        start = len(self.values)
+        self.values.extend(values)
+        return "(" + ", ".join(f"${start + i}{cast}" for i, cast in enumerate(casts, 1)) + ")"
+
+
+def _parent_row(
+    shape: _InsertShape,
+    parent: models.Model,
+    parts: Mapping[str, Sequence[bytes | bytearray]],
+    params: _Params,
+) -> str:
+    """One parent's VALUES row (its values added to ``params``)."""
+    placeholders = []
+    for f in shape.parent_fields:
+        pieces = parts.get(f.name)
+        if pieces is not None:
+            placeholders.append("(" + " || ".join(params.add(p) for p in pieces) + ")")
+        else:
+            # typed by the column it is inserted into
+            placeholders.append(
+                params.add(f.get_db_prep_save(getattr(parent, f.attname), connection))
+            )
+    return "(" + ", ".join(placeholders) + ")"
+
+
+def _child_row(shape: _InsertShape, child: models.Model, params: _Params, key: str = "") -> str:
+    values = [f.get_db_prep_save(getattr(child, f.attname), connection) for f in shape.child_fields]
+    row = params.row(values, shape.child_casts)
+    return "(" + key + ", " + row[1:] if key else row
+
+
+def _execute_binary(sql: str, params: _Params) -> list[tuple]:
+    """Run ``sql`` on Django's connection with bytes sent as binary parameters."""
+    connection.validate_no_broken_transaction()  # as Django's own cursor does
+    connection.ensure_connection()
+    # A server-side-binding cursor (Django's is a ClientCursor, which would
+    # inline the body into the query text as hex: three times its size).
+    with connection.wrap_database_errors, psycopg.RawCursor(connection.connection) as cursor:
+        for kind in (bytes, bytearray, memoryview):
+            cursor.adapters.register_dumper(kind, _BufferDumper)
+        cursor.execute(sql, params.values)
+        return cursor.fetchall()
+
+
+def _mark_saved(
+    parent: models.Model, pk: object, parts: Mapping[str, Sequence[bytes | bytearray]]
+) -> None:
+    parent.pk = pk
+    parent._state.adding = False
+    meta = parent._meta
+    for name in parts:
+        parent.__dict__.pop(meta.get_field(name).attname, None)
 
 
 def insert_with_children(
@@ -68,55 +181,72 @@ def insert_with_children(
     Those fields are left deferred on ``parent`` (read from the database if
     asked for).
     """
-    parts = parts or {}
-    if connection.vendor != "postgresql":
-        _insert_with_orm(parent, children, fk, parts)
+    insert_many_with_children([(parent, children, parts or {})], fk, key_field="")
+
+
+def insert_many_with_children(
+    items: Sequence[
+        tuple[models.Model, Sequence[models.Model], Mapping[str, Sequence[bytes | bytearray]]]
+    ],
+    fk: str,
+    *,
+    key_field: str,
+) -> None:
+    """Insert several parents, each with its children, in ONE statement (group commit).
+
+    ``items`` are (parent, children, parts) as for ``insert_with_children``;
+    ``key_field`` names a unique field of the parent (``qid``) by which the
+    children find their parent's new id. The statement is atomic: all rows
+    are inserted or none. Inside a transaction it joins that transaction;
+    outside one it is its own. Sets every parent's pk.
+    """
+    if not items:
         return
-    model, child_model = type(parent), type(children[0])
-    quote = connection.ops.quote_name
-    meta, child_meta = model._meta, child_model._meta
-    parent_fields = [f for f in meta.concrete_fields if not f.primary_key]
-    fk_field = child_meta.get_field(fk)
-    child_fields = [
-        f for f in child_meta.concrete_fields if not f.primary_key and f is not fk_field
-    ]
-    casts = ", ".join(f"%s::{f.db_type(connection)}" for f in child_fields)
-    child_columns = ", ".join(quote(f.column) for f in child_fields)
-    placeholders = [
-        "(" + " || ".join(["%b"] * len(parts[f.name])) + ")"
-        if f.name in parts
-        else "%s"  # typed by the column it is inserted into
-        for f in parent_fields
-    ]
+    if connection.vendor != "postgresql":
+        from django.db import transaction
+
+        with transaction.atomic():
+            for parent, children, parts in items:
+                _insert_with_orm(parent, children, fk, parts)
+        return
+    first_parent, first_children, _ = items[0]
+    shape = _shape(type(first_parent), type(first_children[0]), fk)
+    params = _Params()
+    parent_rows = [_parent_row(shape, parent, parts, params) for parent, _c, parts in items]
+    if len(items) == 1:
+        # The children need no key: the one parent's id is joined to each.
+        child_rows = [_child_row(shape, child, params) for child in first_children]
+        sql = (
+            f"WITH p AS (INSERT INTO {shape.parent_table} ({shape.parent_columns}) "
+            f"VALUES {parent_rows[0]} RETURNING {shape.pk_column}) "
+            f"INSERT INTO {shape.child_table} ({shape.fk_column}, {shape.child_columns}) "
+            f"SELECT p.{shape.pk_column}, v.* FROM p, "
+            f"(VALUES {', '.join(child_rows)}) "
+            f"AS v({shape.child_columns}) RETURNING {shape.fk_column}"
+        )
+        rows = _execute_binary(sql, params)
+        _mark_saved(first_parent, rows[0][0], items[0][2])
+        return
+    key = type(first_parent)._meta.get_field(key_field)
+    key_column = connection.ops.quote_name(key.column)
+    key_cast = f"::{key.db_type(connection)}"
+    child_rows = []
+    for parent, children, _parts in items:
+        key_value = getattr(parent, key.attname)
+        for child in children:
+            child_rows.append(_child_row(shape, child, params, params.add(key_value) + key_cast))
     sql = (
-        f"WITH p AS (INSERT INTO {quote(meta.db_table)} "
-        f"({', '.join(quote(f.column) for f in parent_fields)}) "
-        f"VALUES ({', '.join(placeholders)}) RETURNING {quote(meta.pk.column)}) "
-        f"INSERT INTO {quote(child_meta.db_table)} ({quote(fk_field.column)}, {child_columns}) "
-        f"SELECT p.{quote(meta.pk.column)}, v.* FROM p, "
-        f"(VALUES {', '.join([f'({casts})'] * len(children))}) AS v({child_columns}) "
-        f"RETURNING {quote(fk_field.column)}"
+        f"WITH p AS (INSERT INTO {shape.parent_table} ({shape.parent_columns}) "
+        f"VALUES {', '.join(parent_rows)} RETURNING {shape.pk_column}, {key_column}), "
+        f"c AS (INSERT INTO {shape.child_table} ({shape.fk_column}, {shape.child_columns}) "
+        f"SELECT p.{shape.pk_column}, {shape.child_columns_of_v} FROM p JOIN "
+        f"(VALUES {', '.join(child_rows)}) AS v(parent_key, {shape.child_columns}) "
+        f"ON v.parent_key = p.{key_column}) "
+        f"SELECT {key_column}, {shape.pk_column} FROM p"
     )
-    params: list[object] = []
-    for f in parent_fields:
-        if f.name in parts:
-            params.extend(parts[f.name])
-        else:
-            params.extend(_values(parent, [f]))
-    for child in children:
-        params += _values(child, child_fields)
-    connection.validate_no_broken_transaction()  # as Django's own cursor does
-    connection.ensure_connection()
-    # A server-side-binding cursor (Django's is a ClientCursor, which would
-    # inline the body into the query text as hex: three times its size).
-    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
-        for kind in (bytes, bytearray, memoryview):
-            cursor.adapters.register_dumper(kind, _BufferDumper)
-        cursor.execute(sql, params)
-        parent.pk = cursor.fetchone()[0]
-    parent._state.adding = False
-    for name in parts:
-        parent.__dict__.pop(meta.get_field(name).attname, None)
+    ids = dict(_execute_binary(sql, params))
+    for parent, _children, parts in items:
+        _mark_saved(parent, ids[getattr(parent, key.attname)], parts)
 
 
 class _BufferDumper(psycopg.adapt.Dumper):

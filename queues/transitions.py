@@ -25,11 +25,13 @@ transaction); none loads message bodies.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 
-from django.db import models, transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db import connection, models, transaction
+from django.db.models import Exists, F, Lookup, OuterRef, Q
+from django.db.models.lookups import In
 
 from queues.states import (
     FINAL_RECIPIENT_STATES,
@@ -37,6 +39,59 @@ from queues.states import (
     MessageState,
     RecipientState,
 )
+
+
+class AnyOf(Lookup):
+    """``filter(id__any=ids)``: ``id = ANY(%s)`` with the ids as one array parameter
+    on PostgreSQL (an ``IN (%s, %s, …)`` list of hundreds of ids costs psycopg's
+    client-side binding and Django's compiler a placeholder each, and makes
+    every batch size a new statement); an ``IN`` list elsewhere."""
+
+    lookup_name = "any"
+    prepare_rhs = False
+
+    def as_sql(self, compiler, connection):  # type: ignore[no-untyped-def]
+        if connection.vendor != "postgresql":
+            return In(self.lhs, list(self.rhs)).as_sql(compiler, connection)
+        lhs, params = self.process_lhs(compiler, connection)
+        cast = self.lhs.output_field.cast_db_type(connection)
+        return f"{lhs} = ANY(%s::{cast}[])", [*params, list(self.rhs)]
+
+
+models.Field.register_lookup(AnyOf)
+models.ForeignObject.register_lookup(AnyOf)  # its lookups stop at ForeignObject
+
+
+def postgresql() -> bool:
+    """Whether the hot paths may use their hand-written PostgreSQL statements."""
+    return connection.vendor == "postgresql"
+
+
+# The categorizer's claim in one statement (PostgreSQL): a message to be tried
+# alone first, else a batch, locked with SKIP LOCKED and leased to the owner;
+# a claim of one counts the try in crash_count (see claim_for_categorizer).
+_PG_CATEGORIZER_CLAIM = """
+WITH iso AS (
+    SELECT id FROM queues_message
+    WHERE state = 'submission' AND next_attempt_at <= %(now)s AND NOT suspended AND isolate
+    ORDER BY next_attempt_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
+), batch AS (
+    SELECT id FROM queues_message
+    WHERE state = 'submission' AND next_attempt_at <= %(now)s AND NOT suspended
+        AND NOT isolate AND NOT EXISTS (SELECT 1 FROM iso)
+    ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT id FROM iso UNION ALL SELECT id FROM batch
+), n AS (
+    SELECT count(*) = 1 AS alone FROM picked
+)
+UPDATE queues_message AS m
+SET state = 'categorizing', lease_owner = %(owner)s, lease_until = %(until)s,
+    crash_count = m.crash_count + CASE WHEN n.alone THEN 1 ELSE 0 END, isolate = n.alone
+FROM n
+WHERE m.id IN (SELECT id FROM picked)
+RETURNING m.id, m.crash_count
+"""
 
 
 class MessageQuerySet(models.QuerySet):
@@ -57,6 +112,18 @@ class MessageQuerySet(models.QuerySet):
         and the message that really kills its worker reaches the poison
         threshold on its own.
         """
+        return [mid for mid, _ in self.claim_for_categorizer_counted(owner, limit, now, lease)]
+
+    def claim_for_categorizer_counted(
+        self, owner: str, limit: int, now: datetime, lease: timedelta
+    ) -> list[tuple[int, int]]:
+        """``claim_for_categorizer`` returning (id, crash_count) pairs by id (one
+        statement on PostgreSQL: the claim and the poison check together)."""
+        if postgresql():
+            params = {"now": now, "limit": limit, "owner": owner, "until": now + lease}
+            with connection.cursor() as cur:
+                cur.execute(_PG_CATEGORIZER_CLAIM, params)
+                return sorted(cur.fetchall())
         with transaction.atomic():
             due = self.due_for_categorizer(now).select_for_update(skip_locked=True)
             order = ("next_attempt_at", "id")
@@ -74,7 +141,8 @@ class MessageQuerySet(models.QuerySet):
                     crash_count=F("crash_count") + 1 if alone else F("crash_count"),
                     isolate=alone,
                 )
-        return ids
+            counts = dict(self.filter(id__in=ids).values_list("id", "crash_count"))
+        return [(mid, counts[mid]) for mid in ids]
 
     def owned_by(self, owner: str) -> MessageQuerySet:
         """Messages a categorizer still holds (its claim not taken back meanwhile)."""
@@ -82,6 +150,26 @@ class MessageQuerySet(models.QuerySet):
 
     def renew(self, owner: str, until: datetime) -> int:
         return self.owned_by(owner).update(lease_until=until)
+
+    def queue_owned(self, ids: Sequence[int], owner: str) -> list[int]:
+        """The categorizer's write fence and its result in one statement: those of
+        ``ids`` that ``owner`` still holds become queued (``categorized``), locked
+        until the caller's transaction ends; returns their ids. The caller then
+        places only their recipients, in the same transaction."""
+        if postgresql():
+            with connection.cursor() as cur:
+                cur.execute(
+                    "UPDATE queues_message SET state = %s, lease_owner = '', lease_until = NULL, "
+                    "crash_count = 0, isolate = false "
+                    "WHERE id = ANY(%s::bigint[]) AND state = %s AND lease_owner = %s RETURNING id",
+                    [MessageState.QUEUED, list(ids), MessageState.CATEGORIZING, owner],
+                )
+                return sorted(row[0] for row in cur.fetchall())
+        mine = sorted(
+            self.select_for_update().filter(id__in=ids).owned_by(owner).values_list("id", flat=True)
+        )
+        self.model.objects.filter(id__in=mine).categorized()
+        return mine
 
     def categorized(self) -> int:
         """The categorizer placed every recipient: queued, the claim and crash count cleared."""
@@ -112,6 +200,26 @@ class MessageQuerySet(models.QuerySet):
             state=MessageState.SUBMISSION, next_attempt_at=now
         )
 
+    def resubmit_if_recipients_submitted(self, ids: Sequence[int], now: datetime) -> int:
+        """``with_submitted_recipients().back_to_submission(now)`` of the queued
+        messages among ``ids`` (one hand-written statement on PostgreSQL)."""
+        if not postgresql():
+            return self.filter(id__in=ids).with_submitted_recipients().back_to_submission(now)
+        with connection.cursor() as cur:
+            cur.execute(
+                "UPDATE queues_message AS m SET state = %s, next_attempt_at = %s "
+                "WHERE m.id = ANY(%s::bigint[]) AND m.state = %s AND EXISTS ("
+                "SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id AND r.state = %s)",
+                [
+                    MessageState.SUBMISSION,
+                    now,
+                    list(ids),
+                    MessageState.QUEUED,
+                    RecipientState.SUBMITTED,
+                ],
+            )
+            return cur.rowcount
+
     def with_submitted_recipients(self) -> MessageQuerySet:
         from queues.models import Recipient
 
@@ -131,6 +239,30 @@ class MessageQuerySet(models.QuerySet):
             .exclude(Exists(pending))
             .update(state=MessageState.DONE, completed_at=now, lease_owner="", lease_until=None)
         )
+
+    def finish_ids(self, ids: Iterable[int], now: datetime) -> int:
+        """``filter(id__in=ids).finish(now)``: one hand-written statement on PostgreSQL."""
+        ids = list(ids)
+        if not ids:
+            return 0
+        if not postgresql():
+            return self.filter(id__in=ids).finish(now)
+        with connection.cursor() as cur:
+            cur.execute(
+                "UPDATE queues_message AS m SET state = %s, completed_at = %s, "
+                "lease_owner = '', lease_until = NULL "
+                "WHERE m.id = ANY(%s::bigint[]) AND m.state <> %s AND NOT EXISTS ("
+                "SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id "
+                "AND r.state <> ALL(%s::varchar[]))",
+                [
+                    MessageState.DONE,
+                    now,
+                    ids,
+                    MessageState.DONE,
+                    [str(state) for state in FINAL_RECIPIENT_STATES],
+                ],
+            )
+            return cur.rowcount
 
     def park_in_poison(self, poison_queue_id: int) -> int:
         """Messages that crashed their workers too often: suspended, their
@@ -223,6 +355,32 @@ class RecipientQuerySet(models.QuerySet):
             queue_id=queue_id, state=RecipientState.QUEUED, next_attempt_at=now
         )
 
+    def place_many(self, placements: Sequence[tuple[int, int]], now: datetime) -> int:
+        """``place`` for (recipient id, queue id) pairs of several queues: one
+        statement on PostgreSQL."""
+        if not placements:
+            return 0
+        if postgresql():
+            with connection.cursor() as cur:
+                cur.execute(
+                    "UPDATE queues_recipient AS r SET queue_id = v.queue_id, state = %s, "
+                    "next_attempt_at = %s "
+                    "FROM unnest(%s::bigint[], %s::bigint[]) AS v(id, queue_id) "
+                    "WHERE r.id = v.id AND r.state = %s",
+                    [
+                        RecipientState.QUEUED,
+                        now,
+                        [rid for rid, _ in placements],
+                        [qid for _, qid in placements],
+                        RecipientState.SUBMITTED,
+                    ],
+                )
+                return cur.rowcount
+        by_queue: dict[int, list[int]] = {}
+        for rid, qid in placements:
+            by_queue.setdefault(qid, []).append(rid)
+        return sum(self.filter(id__in=rids).place(qid, now) for qid, rids in by_queue.items())
+
     def park_unreachable(
         self, queue_id: int, now: datetime, retry_at: datetime, *, enhanced: str, text: str
     ) -> int:
@@ -294,6 +452,42 @@ class RecipientQuerySet(models.QuerySet):
 
         bulk_update_rows(list(rows), list(fields))
 
+    def record_owned(self, rows: Sequence, fields: Sequence[str], owner: str) -> set[int]:
+        """``record`` fenced in the same statement: only rows still held by the
+        round ``owner`` (ACTIVE with its token) are written, and locked until
+        the caller's transaction ends; returns their ids. On PostgreSQL one
+        ``UPDATE … FROM jsonb_to_recordset(…) … RETURNING id`` for the round."""
+        if not rows:
+            return set()
+        if not postgresql():
+            ids = [row.pk for row in rows]
+            kept = set(
+                self.model.objects.select_for_update()
+                .filter(id__in=ids)
+                .owned_by(owner)
+                .values_list("id", flat=True)
+            )
+            self.record([row for row in rows if row.pk in kept], fields)
+            return kept
+        meta = self.model._meta
+        columns = [meta.get_field(name) for name in fields]
+        names = [f.column for f in columns]
+        typed = ", ".join(f"{f.column} {_json_column_type(f)}" for f in columns)
+        batch = [[row.pk, *(getattr(row, f.attname) for f in columns)] for row in rows]
+        sql = (
+            f"UPDATE {meta.db_table} AS t SET "
+            + ", ".join(f"{n} = v.{n}" for n in names)
+            + f" FROM jsonb_to_recordset(%s::jsonb) AS v(id bigint, {typed}) "
+            "WHERE t.id = v.id AND t.state = %s AND t.lease_owner = %s RETURNING t.id"
+        )
+        payload = json.dumps(
+            [dict(zip(["id", *names], values, strict=True)) for values in batch],
+            default=_json_value,
+        )
+        with connection.cursor() as cur:
+            cur.execute(sql, [payload, RecipientState.ACTIVE, owner])
+            return {row[0] for row in cur.fetchall()}
+
     def release(self, now: datetime) -> int:
         """Claimed rows a round never tried (it stopped early): waiting again, due now."""
         return self.filter(state=RecipientState.ACTIVE).update(
@@ -326,6 +520,17 @@ class RecipientQuerySet(models.QuerySet):
         return self.filter(state=RecipientState.ACTIVE, lease_until__lt=now).update(
             state=RecipientState.QUEUED, lease_owner="", lease_until=None, next_attempt_at=now
         )
+
+
+def _json_column_type(field: models.Field) -> str:
+    """The column type of a field in a jsonb_to_recordset() column list."""
+    if isinstance(field, models.ForeignKey):
+        return "bigint"
+    return field.cast_db_type(connection) or "text"
+
+
+def _json_value(value: object) -> str:
+    return value.isoformat() if isinstance(value, datetime) else str(value)
 
 
 class LinkQuerySet(models.QuerySet):
@@ -374,4 +579,4 @@ class RetryHintQuerySet(models.QuerySet):
         """A success deletes the data (that resets Exim's retry clock)."""
         keys = list(set(keys))
         if keys:
-            self.filter(key__in=keys).delete()
+            self.filter(key__any=keys).delete()

@@ -251,3 +251,75 @@ def test_transactions_start_over_with_the_envelope_class_and_the_data_hook_gets_
             assert isinstance(session.envelope, Tagged) and session.envelope is not first
 
     run(scenario())
+
+
+# --------------------------------------------------------------- the fast __init__
+
+
+def _state(session: SMTP) -> dict[str, Any]:
+    """A session's attributes, comparable across two instances."""
+    out: dict[str, Any] = {}
+    for name, value in vars(session).items():
+        if name in ("_stream_reader", "_stream_reader_wr", "_strong_reader", "_closed", "_loop"):
+            out[name] = type(value).__name__
+        elif name in ("_smtp_methods", "_handle_hooks"):
+            out[name] = {k: getattr(v, "__func__", v) for k, v in value.items()}
+        elif name == "_auth_methods":
+            out[name] = {
+                k: (getattr(v.method, "__func__", v.method), v.is_builtin) for k, v in value.items()
+            }
+        elif name in ("_client_connected_cb", "_over_ssl"):
+            out[name] = getattr(value, "__func__", value)
+        else:
+            out[name] = value
+    return out
+
+
+class AuthHandler(Handler):
+    async def handle_EHLO(self, server, session, envelope, hostname, responses):  # noqa: N802
+        return responses
+
+    async def auth_CUSTOM(self, server, args):  # noqa: N802
+        return None
+
+
+@pytest.mark.parametrize("handler_class", [Handler, AuthHandler])
+def test_the_fast_init_sets_what_aiosmtpds_own_init_sets(handler_class):
+    """``AiosmtpdSession.__init__`` skips aiosmtpd's per-connection dir() scans; the
+    session it builds must hold the same attributes with the same values."""
+    import ssl as ssl_module
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        handler = handler_class()
+        context = ssl_module.SSLContext(ssl_module.PROTOCOL_TLS_SERVER)
+        for tls in (None, context):
+            options = dict(
+                data_size_limit=1000,
+                enable_SMTPUTF8=True,
+                decode_data=False,
+                hostname="relay.test",
+                ident="ESMTP test",
+                tls_context=tls,
+                timeout=42,
+                loop=loop,
+            )
+            fast = Probe.__new__(Probe)
+            AiosmtpdSession.__init__(fast, handler, **options)
+            slow = Probe.__new__(Probe)
+            SMTP.__init__(slow, handler, **options)
+            assert _state(fast) == _state(slow)
+            assert set(fast._smtp_methods) >= {"EHLO", "MAIL", "RCPT", "DATA", "QUIT"}
+
+    run(scenario())
+
+
+def test_options_the_fast_init_does_not_know_go_through_aiosmtpd():
+    async def scenario() -> None:
+        session = Probe.__new__(Probe)
+        AiosmtpdSession.__init__(
+            session, Handler(), loop=asyncio.get_running_loop(), command_call_limit=7
+        )
+        assert session._enforce_call_limit is True
+
+    run(scenario())

@@ -120,7 +120,8 @@ def test_running_out_of_file_descriptors_only_pauses_accepting(transactional_db)
     launcher = (
         "import os, resource, sys;"
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}));"
-        "os.execv(sys.executable, [sys.executable, 'manage.py', 'runsmtp', '--db-threads', '1'])"
+        "os.execv(sys.executable, [sys.executable, 'manage.py', 'runsmtp', '--db-threads', '1',"
+        " '--processes', '1'])"  # one process: the limit is that process's
     )
     proc = processes.Proc(
         "runsmtp",

@@ -71,7 +71,8 @@ def send(port: int, data: bytes) -> str:
 def runsmtp(transactional_db):
     proc = processes.Proc(
         "runsmtp",
-        [sys.executable, "manage.py", "runsmtp", "--db-threads", "4"],
+        # One process (no supervisor): its memory is what is measured.
+        [sys.executable, "manage.py", "runsmtp", "--db-threads", "4", "--processes", "1"],
         processes.test_env(
             MAILRELAY_SMTP_LISTEN="127.0.0.1:0",
             MAILRELAY_HOSTNAME="relay.test",

@@ -11,6 +11,12 @@ in parallel and by default sends one message per connection (``smtp-source``
 without ``-d``); ``--per-connection`` sends more over one connection. It
 speaks plain ESMTP without pipelining, one command and one reply at a time.
 
+With ``--rate R`` the load is offered at R messages per second instead of
+as fast as the sessions go: message n is not started before ``n / R``
+seconds after the start (a session that falls behind starts at once, and
+``--sessions`` bounds how many are in flight), so the accept latency is
+measured at that offered rate, not at saturation.
+
 Per message it records the accept latency: the time from sending the
 end-of-data dot (the body is already written and drained) to reading the
 final reply. Every message carries ``X-Bench-Seq: <tag>.<n>`` and a unique
@@ -102,6 +108,19 @@ class Load:
         self.next_seq = 0
         self.stats = Stats()
         self.deadline = time.monotonic() + args.timeout
+        self.started = time.monotonic()
+        self.late = 0  # messages started after their slot (the server could not keep up)
+
+    async def pace(self, seq: int) -> None:
+        """With --rate: wait for message ``seq``'s slot in the offered schedule."""
+        if not self.args.rate:
+            return
+        due = self.started + seq / self.args.rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif delay < -0.05:
+            self.late += 1
 
     def take(self) -> int | None:
         if self.next_seq >= self.args.messages:
@@ -117,6 +136,7 @@ class Load:
             if time.monotonic() > self.deadline:
                 self.stats.errors.append("timeout: gave up before sending everything")
                 return
+            await self.pace(seq)
             now = time.time()
             if self.stats.first_connect is None:
                 self.stats.first_connect = now
@@ -128,6 +148,8 @@ class Load:
                 writer.write(f"EHLO {a.helo}\r\n".encode())
                 await read_reply(reader, "EHLO", 250)
                 for _ in range(a.per_connection):
+                    if a.per_connection > 1:
+                        await self.pace(seq)
                     rcpt = f"rcpt{seq}@{a.rcpt_domain}"
                     data = build_message(seq, a.tag, a.size, a.sender, rcpt)
                     try:
@@ -169,6 +191,7 @@ class Load:
                         await writer.wait_closed()
 
     async def run(self) -> Stats:
+        self.started = time.monotonic()
         await asyncio.gather(*(self.session() for _ in range(self.args.sessions)))
         return self.stats
 
@@ -186,14 +209,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sender", default="sender@example.org")
     p.add_argument("--rcpt-domain", default="example.net")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many s")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="offered load in messages per second (0: as fast as the sessions go)",
+    )
     p.add_argument("--out", required=True, help="write the JSON result here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    stats = asyncio.run(Load(args).run())
+    load = Load(args)
+    stats = asyncio.run(load.run())
     result = {
+        "rate": args.rate,
+        "late": load.late,
         "first_connect": stats.first_connect,
         "last_accept": stats.last_accept,
         "latencies_ms": stats.latencies_ms,

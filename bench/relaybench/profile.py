@@ -62,7 +62,7 @@ def start(procs: Procs, pids: dict[str, int], out_dir: Path, rate: int = 100) ->
             "-o",
             str(out),
         ]
-        if name == "worker":
+        if name in ("worker", "runsmtp"):  # runsmtp --processes N: its children
             cmd.append("--subprocesses")
         procs.spawn(
             f"py-spy {name}",

@@ -20,12 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable
+import inspect
+import socket
+import ssl
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
 
-from aiosmtpd.smtp import SMTP, Envelope
+from aiosmtpd import _get_or_new_eventloop
+from aiosmtpd.smtp import (
+    DATA_SIZE_DEFAULT,
+    SMTP,
+    Envelope,
+    _AuthMechAttr,
+    login_always_fail,
+)
+from aiosmtpd.smtp import __ident__ as _AIOSMTPD_IDENT
 
 # The aiosmtpd releases this adapter was written for and checked against: [low, high).
 SUPPORTED_VERSIONS = ((1, 4, 6), (1, 5))
@@ -74,15 +85,159 @@ RELIED_ON: tuple[Member, ...] = (
 )
 
 
+# The options ``AiosmtpdSession.__init__`` sets up itself; any other option
+# (AUTH callbacks, call limits, PROXY protocol) goes through aiosmtpd's own __init__.
+FAST_INIT_OPTIONS = frozenset(
+    {
+        "data_size_limit",
+        "enable_SMTPUTF8",
+        "decode_data",
+        "hostname",
+        "ident",
+        "tls_context",
+        "timeout",
+        "loop",
+    }
+)
+
+
+class _BoundOnUse(Mapping[str, Any]):
+    """``{"MAIL": session.smtp_MAIL, …}`` as aiosmtpd builds it, bound when looked up
+    (a session uses a handful of its ~15 commands; binding them all cost more)."""
+
+    __slots__ = ("_names", "_obj")
+
+    def __init__(self, obj: object, names: dict[str, str]) -> None:
+        self._obj = obj
+        self._names = names
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self._obj, self._names[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+@dataclass(frozen=True)
+class _ClassScan:
+    """What aiosmtpd's __init__ finds with dir()/inspect.getmembers(), per class."""
+
+    smtp_methods: dict[str, str]  # command → smtp_* name, of the protocol class
+    auth_methods: tuple[str, ...]  # auth_* names of the protocol class
+    handle_hooks: tuple[str, ...]  # handle_* names of the handler class
+    handler_auth: tuple[str, ...]  # auth_* names of the handler class
+    ehlo_hook_ver: str | None
+
+
+_SCANS: dict[tuple[type, type], _ClassScan] = {}
+
+
+def _scan(protocol: type, handler: object) -> _ClassScan:
+    key = (protocol, type(handler))
+    found = _SCANS.get(key)
+    if found is None:
+        handle_hooks = tuple(m for m in dir(handler) if m.startswith("handle_"))
+        ehlo_ver = None
+        if "handle_EHLO" in handle_hooks:
+            count = len(inspect.signature(handler.handle_EHLO).parameters)  # type: ignore[attr-defined]
+            if count not in (4, 5):
+                raise RuntimeError("Unsupported EHLO Hook")
+            ehlo_ver = "old" if count == 4 else "new"
+        found = _SCANS[key] = _ClassScan(
+            smtp_methods={
+                m.replace("smtp_", ""): m for m in dir(protocol) if m.startswith("smtp_")
+            },
+            auth_methods=tuple(m for m in dir(protocol) if m.startswith("auth_")),
+            handle_hooks=handle_hooks,
+            handler_auth=tuple(m for m in dir(handler) if m.startswith("auth_")),
+            ehlo_hook_ver=ehlo_ver,
+        )
+    return found
+
+
 class AiosmtpdSession(SMTP):
     """aiosmtpd's SMTP protocol with its private members behind named methods.
 
     Subclasses override the hooks (``envelope_class``, ``serves_client``,
     ``before_idle_close``) instead of aiosmtpd's private methods.
+
+    ``__init__`` sets the same attributes as aiosmtpd's, but without its
+    per-connection ``dir()``/``inspect.getmembers()`` scans of the protocol
+    and the handler (a quarter of the ingress's CPU per message): the names
+    are found once per class (``_scan``) and only bound per connection. The
+    handler's ``handle_*``/``auth_*`` hooks are therefore looked up on its
+    class (``dir`` of the instance, once per handler class), and the
+    "Available AUTH mechanisms" line aiosmtpd logs per connection is not
+    logged. ``tests/test_aiosmtpd_adapter.py`` compares the attributes with
+    those aiosmtpd's own __init__ sets.
     """
 
     # What a new transaction's envelope is (aiosmtpd builds it after RSET, HELO/EHLO, DATA).
     envelope_class: type[Envelope] = Envelope
+
+    def __init__(self, handler: Any, **options: Any) -> None:
+        tls_context = options.get("tls_context")
+        if not FAST_INIT_OPTIONS.issuperset(options) or (
+            tls_context is not None
+            and (
+                tls_context.verify_mode not in {ssl.CERT_NONE, ssl.CERT_OPTIONAL}
+                or tls_context.check_hostname
+            )
+        ):
+            # Options set up by aiosmtpd alone, or a context it warns about: its own path.
+            super().__init__(handler, **options)
+            return
+        self.__ident__ = options.get("ident") or _AIOSMTPD_IDENT
+        self.loop = loop = options.get("loop") or _get_or_new_eventloop()
+        asyncio.StreamReaderProtocol.__init__(
+            self,
+            asyncio.StreamReader(loop=loop, limit=self.line_length_limit),
+            client_connected_cb=self._cb_client_connected,
+            loop=loop,
+        )
+        self.event_handler = handler
+        data_size_limit = options.get("data_size_limit", DATA_SIZE_DEFAULT)
+        assert data_size_limit is None or isinstance(data_size_limit, int)
+        self.data_size_limit = data_size_limit
+        self.enable_SMTPUTF8 = options.get("enable_SMTPUTF8", False)
+        self._decode_data = options.get("decode_data", False)
+        self.command_size_limits.clear()
+        self.hostname = options.get("hostname") or socket.getfqdn()
+        self.tls_context = tls_context
+        self.require_starttls = tls_context and False  # as aiosmtpd: None or False
+        self._timeout_duration = options.get("timeout", 300)
+        self._timeout_handle = None
+        self._tls_handshake_okay = True
+        self._tls_protocol = None
+        self._original_transport = None
+        self.session = None
+        self.envelope = None
+        self.transport = None
+        self._handler_coroutine = None
+        self._auth_require_tls = True
+        self._proxy_timeout = None
+        self._auth_callback = login_always_fail
+        self._authenticator = None
+        self._auth_required = False
+        scan = _scan(type(self), handler)
+        auth: dict[str, _AuthMechAttr] = {}
+        for obj, names in ((self, scan.auth_methods), (handler, scan.handler_auth)):
+            for name in names:
+                method = getattr(obj, name)
+                mechanism = getattr(
+                    method, "__auth_mechanism_name__", name.replace("auth_", "").replace("__", "-")
+                )
+                auth[mechanism] = _AuthMechAttr(method, obj is self)
+        self._auth_methods = auth
+        self._handle_hooks = {
+            name.replace("handle_", ""): getattr(handler, name) for name in scan.handle_hooks
+        }
+        self._ehlo_hook_ver = scan.ehlo_hook_ver
+        self._smtp_methods = _BoundOnUse(self, scan.smtp_methods)
+        self._enforce_call_limit = False
 
     # --- hooks for subclasses
 

@@ -7,8 +7,11 @@ Each connection is an ``InboundSMTP`` protocol, which reaches aiosmtpd's
 private members only through ``aiosmtpd_adapter.AiosmtpdSession``; the DATA
 work lives in ``RelayHandler``.
 
-Hot path per message: one ``message_accept`` call (one transaction) in a
-database thread, the reply, then a coalesced ring of the categorizer.
+Hot path per message: the message handed to the group committer
+(``groupcommit.GroupCommitter``: the messages of every session waiting at that
+moment in one statement and one transaction, in a committer thread), the
+reply once its transaction committed, then a coalesced ring of the categorizer.
+The other database calls (AUTH, account rates) run in the database threads.
 
 Back pressure: with a ``Monitor`` (delivery.backpressure), the server runs it
 while it listens, counts the messages it holds uncommitted (the version
@@ -60,11 +63,17 @@ from delivery.inbound import policy, replies
 from delivery.inbound.aiosmtpd_adapter import AiosmtpdSession
 from delivery.inbound.dbthreads import DatabaseExecutor
 from delivery.inbound.doorbell import CoalescedBell
+from delivery.inbound.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
 from queues import counters
 from queues.headers import header_end
 from queues.models import MessageSource
 from queues.services import accounts
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.services.accept import (
+    IncomingEnvelope,
+    IncomingRecipient,
+    message_accept,
+    messages_accept,
+)
 
 if TYPE_CHECKING:
     from delivery.backpressure.monitor import Monitor
@@ -328,6 +337,23 @@ def _store(envelope: IncomingEnvelope, data: bytes | bytearray) -> str:
         except Exception:  # noqa: BLE001 - closing a broken connection may fail too
             log.debug("closing the failed database connection failed", exc_info=True)
         raise
+
+
+def _store_batch(batch: Sequence[tuple[IncomingEnvelope, bytes | bytearray]]) -> list[object]:
+    """Runs in a committer thread: the queue id of each message committed, or its exception.
+
+    One message takes ``_store`` (``message_accept``'s path); several are one
+    group commit (``messages_accept``), which stores a failed batch's
+    messages one by one so each gets its own answer.
+    """
+    if len(batch) == 1:
+        try:
+            return [_store(*batch[0])]
+        except Exception as exc:  # noqa: BLE001 - this message's session says 451
+            return [exc]
+    return [
+        result if isinstance(result, Exception) else result.qid for result in messages_accept(batch)
+    ]
 
 
 def _in_thread(call: Callable[[], object]) -> object:
@@ -1064,9 +1090,14 @@ class InboundServer:
         *,
         db_threads: int = DEFAULT_DB_THREADS,
         monitor: Monitor | None = None,
+        commit_threads: int | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self.config = config
+        self.reuse_port = reuse_port  # several runsmtp processes share the ports
         self.db_threads = db_threads
+        # Committer threads (group commit); no more than the database threads asked for.
+        self.commit_threads = commit_threads or min(db_threads, DEFAULT_COMMIT_THREADS)
         self.monitor = monitor
         # Messages received and not yet committed: the monitor's version buckets.
         self.uncommitted = monitor.uncommitted if monitor is not None else InFlight()
@@ -1081,6 +1112,7 @@ class InboundServer:
         self._no_sessions = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._executor: DatabaseExecutor | None = None
+        self._committer: GroupCommitter | None = None
         self._bell: CoalescedBell | None = None
 
     async def start(
@@ -1102,6 +1134,7 @@ class InboundServer:
             )
         self.loop = asyncio.get_running_loop()
         self._executor = DatabaseExecutor(self.db_threads)
+        self._committer = GroupCommitter(self.commit_threads, store_batch=_store_batch)
         self._bell = CoalescedBell(self.loop, self._executor)
         handler = RelayHandler(self)
         try:
@@ -1128,6 +1161,7 @@ class InboundServer:
             host=host or None,
             port=port,
             reuse_address=True,
+            reuse_port=self.reuse_port or None,
             backlog=512,
             ssl=tls.listener_context() if kind == SUBMISSIONS and tls is not None else None,
         )
@@ -1144,13 +1178,14 @@ class InboundServer:
         return await self.loop.run_in_executor(self._executor, _in_thread, call)
 
     async def store(self, envelope: IncomingEnvelope, data: bytes) -> str:
-        """Commit a message in a database thread; ring the categorizer after the commit.
+        """Commit a message (group commit, ``groupcommit``); ring the categorizer after it.
 
         The commit runs to its end even if the client goes away meanwhile
         (shielded), and the ring follows every commit, replied to or not.
+        The queue id comes back only once the message's transaction committed.
         """
-        assert self.loop is not None and self._executor is not None
-        future = self.loop.run_in_executor(self._executor, _store, envelope, data)
+        assert self.loop is not None and self._committer is not None
+        future = asyncio.wrap_future(self._committer.submit(envelope, data), loop=self.loop)
         self.uncommitted.add()
         self._stores.add(future)
         future.add_done_callback(self._stored)
@@ -1217,6 +1252,9 @@ class InboundServer:
                         session.transport.abort()
         if self._stores:
             await asyncio.wait(set(self._stores))
+        if self._committer is not None:
+            assert self.loop is not None
+            await self.loop.run_in_executor(None, self._committer.shutdown)
         if self._bell is not None:
             await self._bell.flush()
         if self._executor is not None:

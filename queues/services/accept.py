@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from email.utils import format_datetime
 
@@ -12,7 +13,7 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
 from queues import clock, dkim, domains
-from queues.bulk import insert_with_children
+from queues.bulk import insert_many_with_children, insert_with_children
 from queues.headers import inspect_headers
 from queues.models import (
     Event,
@@ -147,20 +148,18 @@ def _dkim_failed(message: Message, error: str) -> None:
         log.warning("%s: could not record the DKIM failure event", message.qid, exc_info=True)
 
 
-def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
-    """Store a message and one row per recipient in one transaction.
+@dataclass
+class PreparedMessage:
+    """A message ready to insert: its row, its recipients' rows, its data pieces."""
 
-    The caller replies 250 only after this returns: the commit has happened.
-    ``data`` is not copied: the database joins our prefix and it (see
-    insert_with_children), so a large message costs its size about twice.
-    The returned message's ``data`` is read back from the database if used.
+    message: Message
+    recipients: list[Recipient]
+    parts: dict[str, tuple[bytes, bytes | bytearray]]
+    dkim_error: str
 
-    A connection that died since its last use (a PostgreSQL restart, a
-    terminated backend) fails the first statement; the store is then retried
-    once on a new connection, so the client is not refused for a stale
-    connection. The retry first looks for the queue id: if the lost reply
-    was for a commit that happened, the message is not stored twice.
-    """
+
+def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedMessage:
+    """Everything ``message_accept`` does before the database: ids, headers, DKIM."""
     now = clock.now()
     qid = new_qid()
     prefix, message_id, subject = build_prefix(env, data, qid)
@@ -199,19 +198,118 @@ def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
         )
         for rcpt in env.recipients
     ]
-    parts = {"data": (prefix, data)}
-    # One statement (one transaction) for the message and all its recipients.
+    return PreparedMessage(message, recipients, {"data": (prefix, data)}, dkim_error)
+
+
+def _insert_one(prepared: PreparedMessage) -> Message:
+    """One message in its own statement (and transaction), retried once on a lost connection."""
+    message = prepared.message
     try:
-        insert_with_children(message, recipients, "message", parts=parts)
+        insert_with_children(message, prepared.recipients, "message", parts=prepared.parts)
     except (OperationalError, InterfaceError):
         if connection.in_atomic_block or connection.vendor != "postgresql":
             raise  # the caller's transaction is lost with the connection; SQLite is local
-        log.warning("%s: database connection lost; retrying once on a new one", qid)
+        log.warning("%s: database connection lost; retrying once on a new one", message.qid)
         connection.close()
-        stored = Message.objects.filter(qid=qid).first()
+        stored = Message.objects.filter(qid=message.qid).first()
         if stored is not None:
             return stored  # committed before the connection died
-        insert_with_children(message, recipients, "message", parts=parts)
-    if dkim_error:
-        _dkim_failed(message, dkim_error)
+        insert_with_children(message, prepared.recipients, "message", parts=prepared.parts)
+    if prepared.dkim_error:
+        _dkim_failed(message, prepared.dkim_error)
     return message
+
+
+def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
+    """Store a message and one row per recipient in one transaction.
+
+    The caller replies 250 only after this returns: the commit has happened.
+    ``data`` is not copied: the database joins our prefix and it (see
+    insert_with_children), so a large message costs its size about twice.
+    The returned message's ``data`` is read back from the database if used.
+
+    A connection that died since its last use (a PostgreSQL restart, a
+    terminated backend) fails the first statement; the store is then retried
+    once on a new connection, so the client is not refused for a stale
+    connection. The retry first looks for the queue id: if the lost reply
+    was for a commit that happened, the message is not stored twice.
+    """
+    return _insert_one(prepare_message(env, data))
+
+
+def messages_accept(
+    batch: Sequence[tuple[IncomingEnvelope, bytes | bytearray]],
+) -> list[Message | Exception]:
+    """Group commit: store several messages in ONE statement (one transaction, one commit).
+
+    Returns, in order, each message or the exception that kept it out: the
+    caller replies 250 to a message only when its entry is a Message (it is
+    committed). A failed batch commits nothing, so nobody is told 250 for it;
+    its messages are then stored one by one (``message_accept``'s path), so a
+    bad message fails alone and the innocent ones are stored. A connection
+    lost around the batch's commit leaves it unknown whether the commit
+    happened: the queue ids are looked up on a new connection first, so no
+    message is stored twice.
+    """
+    results: list[Message | Exception] = []
+    ready: list[tuple[int, PreparedMessage]] = []
+    for env, data in batch:
+        try:
+            ready.append((len(results), prepare_message(env, data)))
+            results.append(None)  # type: ignore[arg-type] - filled in below
+        except Exception as exc:  # noqa: BLE001 - this message fails, the others go on
+            log.exception("could not prepare a message from %s", env.client_address)
+            results.append(exc)
+    if len(ready) == 1 or (ready and connection.vendor != "postgresql"):
+        for index, prepared in ready:
+            results[index] = _try_one(prepared)
+        return results
+    if not ready:
+        return results
+    try:
+        insert_many_with_children(
+            [(p.message, p.recipients, p.parts) for _i, p in ready], "message", key_field="qid"
+        )
+    except Exception as exc:  # noqa: BLE001 - nothing of the batch is committed (or unknown)
+        log.warning(
+            "a group commit of %d messages failed (%s); storing them one by one", len(ready), exc
+        )
+        stored: dict[str, Message] = {}
+        if isinstance(exc, (OperationalError, InterfaceError)):
+            _close_quietly()
+            stored = _already_stored([p.message.qid for _i, p in ready])
+        for index, prepared in ready:
+            found = stored.get(prepared.message.qid)
+            results[index] = found if found is not None else _try_one(prepared)
+        return results
+    for index, prepared in ready:
+        if prepared.dkim_error:
+            _dkim_failed(prepared.message, prepared.dkim_error)
+        results[index] = prepared.message
+    return results
+
+
+def _try_one(prepared: PreparedMessage) -> Message | Exception:
+    try:
+        return _insert_one(prepared)
+    except Exception as exc:  # noqa: BLE001 - handed to this message's session (451)
+        log.warning("%s: could not be stored: %s", prepared.message.qid, exc)
+        _close_quietly()  # a broken connection is not reused by the next message
+        return exc
+
+
+def _already_stored(qids: list[str]) -> dict[str, Message]:
+    """Messages of a batch whose commit may have happened before its connection was lost."""
+    try:
+        return {m.qid: m for m in Message.objects.filter(qid__in=qids).defer("data")}
+    except Exception:  # noqa: BLE001 - then each is retried, which finds its own qid
+        log.warning("could not look up the messages of a lost batch", exc_info=True)
+        _close_quietly()
+        return {}
+
+
+def _close_quietly() -> None:
+    try:
+        connection.close()
+    except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+        log.debug("closing the failed database connection failed", exc_info=True)

@@ -1,0 +1,196 @@
+"""Group commit on ingress: several sessions' messages in one transaction, each
+250 only after its commit; a failed batch answers nobody 250 and fails no
+innocent message (they are stored one by one)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.db import OperationalError, connection
+
+from delivery.inbound import server
+from delivery.inbound.groupcommit import GroupCommitter
+from queues.models import Message, Recipient
+from queues.services import accept
+from queues.services.accept import IncomingEnvelope, IncomingRecipient, messages_accept
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BODY = b"Subject: group\r\n\r\nbody\r\n"
+POISON = "poison@example.net"
+
+
+def envelope(rcpt: str) -> IncomingEnvelope:
+    return IncomingEnvelope("sender@example.org", [IncomingRecipient(rcpt)])
+
+
+@pytest.fixture
+def poison_trigger() -> Iterator[callable]:
+    """A real PostgreSQL error for the recipient POISON: at its insert, or (deferred) at COMMIT."""
+    table = Recipient._meta.db_table
+    made: list[str] = []
+
+    def install(at_commit: bool = False) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "CREATE OR REPLACE FUNCTION mr_test_poison() RETURNS trigger AS $$ BEGIN "
+                f"IF NEW.address = '{POISON}' THEN RAISE EXCEPTION 'poisoned recipient'; END IF; "
+                "RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+            if at_commit:
+                cursor.execute(
+                    f"CREATE CONSTRAINT TRIGGER mr_test_poison AFTER INSERT ON {table} "
+                    "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION mr_test_poison()"
+                )
+            else:
+                cursor.execute(
+                    f"CREATE TRIGGER mr_test_poison BEFORE INSERT ON {table} "
+                    "FOR EACH ROW EXECUTE FUNCTION mr_test_poison()"
+                )
+        made.append(table)
+
+    yield install
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TRIGGER IF EXISTS mr_test_poison ON {table}")
+        cursor.execute("DROP FUNCTION IF EXISTS mr_test_poison()")
+
+
+def stored_addresses() -> set[str]:
+    return set(Recipient.objects.values_list("address", flat=True))
+
+
+# ------------------------------------------------------------ messages_accept
+
+
+def test_a_batch_is_one_transaction_and_every_message_gets_its_row():
+    batch = [(envelope(f"r{i}@example.net"), BODY) for i in range(5)]
+    results = messages_accept(batch)
+    assert all(isinstance(r, Message) and r.pk for r in results)
+    assert stored_addresses() == {f"r{i}@example.net" for i in range(5)}
+    for result in results:  # each message's recipients point at that message
+        assert list(
+            Recipient.objects.filter(message_id=result.pk).values_list("address", flat=True)
+        )
+    assert Message.objects.count() == 5
+
+
+@pytest.mark.parametrize("at_commit", [False, True], ids=["at-insert", "at-commit"])
+def test_a_failing_message_fails_alone_and_the_others_are_stored(poison_trigger, at_commit):
+    poison_trigger(at_commit=at_commit)
+    rcpts = ["a@example.net", "b@example.net", POISON, "c@example.net"]
+    results = messages_accept([(envelope(r), BODY) for r in rcpts])
+    assert [isinstance(r, Exception) for r in results] == [False, False, True, False]
+    assert stored_addresses() == {"a@example.net", "b@example.net", "c@example.net"}
+    committed = {r.qid for r in results if isinstance(r, Message)}
+    assert set(Message.objects.values_list("qid", flat=True)) == committed
+
+
+def test_a_connection_lost_after_the_commit_stores_nothing_twice(monkeypatch):
+    original = accept.insert_many_with_children
+
+    def commit_then_lose_the_reply(*args, **kwargs):
+        original(*args, **kwargs)
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(accept, "insert_many_with_children", commit_then_lose_the_reply)
+    results = messages_accept([(envelope(f"r{i}@example.net"), BODY) for i in range(3)])
+    assert all(isinstance(r, Message) for r in results)
+    assert Message.objects.count() == 3  # found by queue id, not stored again
+
+
+def test_a_connection_lost_before_the_commit_stores_each_message_once(monkeypatch):
+    def lost(*args, **kwargs):
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(accept, "insert_many_with_children", lost)
+    results = messages_accept([(envelope(f"r{i}@example.net"), BODY) for i in range(3)])
+    assert all(isinstance(r, Message) for r in results)
+    assert Message.objects.count() == 3
+
+
+# ------------------------------------------------------------ the committer
+
+
+def test_the_committer_batches_what_waits_and_answers_each_message():
+    entered, release = threading.Event(), threading.Event()
+    calls: list[list[str]] = []
+
+    def store_batch(batch):
+        calls.append([env for env, _data in batch])
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(10)
+        return [ValueError(env) if env == "bad" else f"qid-{env}" for env, _data in batch]
+
+    committer = GroupCommitter(1, store_batch=store_batch)
+    try:
+        first = committer.submit("m0", b"x")
+        assert entered.wait(10)
+        rest = [committer.submit(name, b"x") for name in ("m1", "bad", "m2")]
+        release.set()
+        assert first.result(10) == "qid-m0"
+        assert [f.exception(10) is not None for f in rest] == [False, True, False]
+        assert rest[0].result() == "qid-m1" and rest[2].result() == "qid-m2"
+        assert calls == [["m0"], ["m1", "bad", "m2"]]  # the waiting three in one batch
+    finally:
+        committer.shutdown()
+
+
+def test_a_batch_that_raises_fails_every_message_of_it():
+    def store_batch(batch):
+        raise OperationalError("database down")
+
+    committer = GroupCommitter(1, store_batch=store_batch)
+    try:
+        future = committer.submit("m", b"x")
+        with pytest.raises(OperationalError):
+            future.result(10)
+    finally:
+        committer.shutdown()
+
+
+# ------------------------------------------------------------ over SMTP
+
+
+@pytest.mark.parametrize("at_commit", [False, True], ids=["at-insert", "at-commit"])
+def test_over_smtp_the_failing_message_gets_451_and_the_others_250(
+    start_ingress, monkeypatch, poison_trigger, at_commit
+):
+    """Five sessions' messages wait while a commit runs, then go in one batch that
+    fails: each message is stored alone, the poisoned one answered 451, the
+    others 250, and every 250 is a committed message."""
+    poison_trigger(at_commit=at_commit)
+    entered, release = threading.Event(), threading.Event()
+    batches: list[int] = []
+    original = server._store_batch
+
+    def held_store_batch(batch):
+        batches.append(len(batch))
+        if len(batches) == 1:
+            entered.set()
+            assert release.wait(10)
+        return original(batch)
+
+    monkeypatch.setattr(server, "_store_batch", held_store_batch)
+    ingress = start_ingress(db_threads=1)  # one committer thread
+    committer = ingress.server._committer
+    assert committer is not None
+    rcpts = ["a@example.net", "b@example.net", POISON, "c@example.net", "d@example.net"]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        first = pool.submit(ingress.send, BODY, rcpt_to=["first@example.net"])
+        assert entered.wait(10)
+        replies = [pool.submit(ingress.send, BODY, rcpt_to=[r]) for r in rcpts]
+        deadline = time.monotonic() + 10
+        while committer._jobs.qsize() < len(rcpts):  # all five wait for the committer
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        release.set()
+        assert first.result(10)[0] == 250
+        codes = [r.result(10)[0] for r in replies]
+    assert codes == [250, 250, 451, 250, 250]
+    assert batches == [1, 5]
+    assert stored_addresses() == {"first@example.net"} | (set(rcpts) - {POISON})

@@ -1,0 +1,107 @@
+"""The hot paths' statements per batch: a batch of many messages costs the same
+statements as a batch of few (per-batch SQL, never per-message SQL).
+
+Counted with Django's CaptureQueriesContext on the real PostgreSQL, with real
+sinks on loopback and the loopback DNS server; a regression that adds a query
+per message (or per recipient) shows as a count that grows with the batch.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from delivery import deliver
+from delivery.categorize import categorize_pending
+from queues.models import Link, Message, MessageState, Recipient, RecipientState
+from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+
+pytestmark = pytest.mark.django_db
+
+BODY = b"From: a@example.org\r\nTo: x\r\nSubject: hot path\r\n\r\nbody\r\n"
+
+# What a batch costs today on PostgreSQL (test transactions count their
+# SAVEPOINTs too): pinned, so an added statement is a decision, not an accident.
+# The tracking rows go in a savepoint of their own (tracking.record.write: a
+# failed tracking insert must not undo a delivery): SAVEPOINT + RELEASE, 2 each.
+CATEGORIZE_STATEMENTS = 12
+DELIVER_STATEMENTS = 33
+
+
+@pytest.fixture
+def relay(dns_settings, settings, smtp_port, sink_factory, monkeypatch):
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
+    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=5)
+    dns_settings.a("example.net", "127.0.0.2")
+    # One record per round (no early records): their number depends on timing.
+    monkeypatch.setattr(deliver, "EARLY_RECORD_SECONDS", 3600.0)
+    monkeypatch.setattr(deliver, "EARLY_RECORD_RESULTS", 10_000)
+    return sink_factory("127.0.0.2")
+
+
+def accept_many(n: int, tag: str) -> list[Message]:
+    return [
+        message_accept(
+            IncomingEnvelope(
+                mail_from="a@example.org",
+                recipients=[IncomingRecipient(f"{tag}{i}@example.net")],
+                client_address="127.0.0.1",
+                client_helo="client.test",
+            ),
+            BODY,
+        )
+        for i in range(n)
+    ]
+
+
+def warm_up() -> None:
+    """The first message creates the link and its queue (and fills the caches)."""
+    accept_many(1, "first")
+    while categorize_pending():
+        pass
+    assert deliver.deliver_link(Link.objects.get().pk) == 1
+
+
+def categorize_and_count(n: int, tag: str) -> int:
+    accept_many(n, tag)
+    with CaptureQueriesContext(connection) as queries:
+        assert categorize_pending() == n
+    return len(queries)
+
+
+def deliver_and_count(n: int, tag: str) -> int:
+    accept_many(n, tag)
+    while categorize_pending():
+        pass
+    link_id = Link.objects.get().pk
+    with CaptureQueriesContext(connection) as queries:
+        assert deliver.deliver_link(link_id) == n
+    return len(queries)
+
+
+def test_categorizing_a_batch_costs_the_same_statements_for_3_or_40_messages(relay):
+    warm_up()
+    few = categorize_and_count(3, "few")
+    many = categorize_and_count(40, "many")
+    assert few == many
+    assert many == CATEGORIZE_STATEMENTS
+    batches = Message.objects.exclude(recipients__address__startswith="first")
+    assert set(batches.values_list("state", flat=True)) == {MessageState.QUEUED}
+    assert batches.count() == 43
+    waiting = Recipient.objects.exclude(address__startswith="first")
+    assert set(waiting.values_list("state", flat=True)) == {RecipientState.QUEUED}
+
+
+def test_delivering_a_round_costs_the_same_statements_for_3_or_40_messages(relay):
+    warm_up()
+    few = deliver_and_count(3, "few")
+    many = deliver_and_count(40, "many")
+    assert few == many
+    assert many == DELIVER_STATEMENTS
+    assert len(relay.messages) == 44
+    assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
