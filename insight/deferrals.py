@@ -7,12 +7,20 @@ with a regular expression) costs 0.6-1.7 s with a million messages queued,
 and ``/deferrals/``, ``/api/v1/errors/`` and the incidents must answer in
 under 200 ms. So the periodic task (``insight.tasks.refresh``, every
 ``MAILRELAY_INSIGHT_REFRESH_INTERVAL``, or ten times the last refresh's own
-duration when that is longer) runs that GROUP BY once and stores
-the groups (``DeferralGroup``, a few hundred rows); while the last refresh
-counted at least ``MAILRELAY_INSIGHT_LIVE_LIMIT`` deferred recipients and is
-recent (three intervals), readers get the stored groups — at most one
-interval old, and they say so (``as_of``). Below the limit every read is
-live and exact.
+duration when that is longer) runs that GROUP BY once and stores a bounded
+summary: per queue its ``GROUPS_PER_QUEUE`` largest groups plus one "other
+errors" row for the rest (``DeferralGroup``: at most 21 rows per queue with
+deferrals, however varied the replies), and the incidents already aggregated
+by provider and by error, the largest ``INCIDENTS_STORED`` of each
+(``IncidentSummary``). While the last refresh counted at least
+``MAILRELAY_INSIGHT_LIVE_LIMIT`` deferred recipients and is recent (three
+intervals), readers get the stored rows — each read one small indexed query
+(the largest first, ``LIMIT``), at most one interval old, and they say so
+(``as_of``). Below the limit every read is live and exact.
+
+The error text is normalised in SQL (``ERROR_TOKEN_SQL``) so the GROUP BY
+already merges replies that differ only in numbers and ids, then again in
+Python (``error_normalize``, the same token class) for white space.
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count, F, Func, Max, Min, Q, TextField, Value
 
-from insight.models import DeferralGroup, InsightRefresh
+from insight.models import DeferralGroup, IncidentSummary, InsightRefresh
 from queues.filters import ERROR_TOKEN_SQL, error_normalize
 from queues.models import Queue, Recipient, RecipientState
 
 TREND_SLICES = 6
 TREND_SLICE = timedelta(minutes=10)
+GROUPS_PER_QUEUE = 20  # stored per queue; the rest merged into one "other errors" row
+OTHER_TEXT = "(other errors)"
 
 
 @dataclass
@@ -46,6 +56,14 @@ class Group:
     first_seen: datetime | None
     last_seen: datetime | None
     trend: list[int] = field(default_factory=lambda: [0] * TREND_SLICES)
+    other: bool = False  # the stored "other errors" row of a queue (several texts)
+
+    def merge(self, g: Group) -> None:
+        self.recipients += g.recipients
+        self.senders += g.senders
+        self.first_seen = _min(self.first_seen, g.first_seen)
+        self.last_seen = _max(self.last_seen, g.last_seen)
+        self.trend = [a + b for a, b in zip(self.trend, g.trend, strict=False)]
 
 
 @dataclass
@@ -99,11 +117,20 @@ def compute(now: datetime, queue_id: int | None = None) -> list[Group]:
         g = merged.get(key)
         if g is None:
             g = merged[key] = Group(key[0], "", key[1], key[2], norm, 0, 0, None, None)
-        g.recipients += row["n"]
-        g.senders += row["senders"]
-        g.first_seen = _min(g.first_seen, row["first"])
-        g.last_seen = _max(g.last_seen, row["last"])
-        g.trend = [a + row[f"t{i}"] for i, a in enumerate(g.trend)]
+        g.merge(
+            Group(
+                key[0],
+                "",
+                key[1],
+                key[2],
+                norm,
+                row["n"],
+                row["senders"],
+                row["first"],
+                row["last"],
+                [row[f"t{i}"] for i in range(TREND_SLICES)],
+            )
+        )
     _name(merged.values())
     return list(merged.values())
 
@@ -125,10 +152,34 @@ def _name(groups) -> None:
         g.queue_name = names.get(g.queue_id, "?")
 
 
+def bounded(groups: list[Group], per_queue: int = GROUPS_PER_QUEUE) -> list[Group]:
+    """Each queue's ``per_queue`` largest groups, and one "other errors" row with
+    the rest of that queue (what the summary stores: its size bounded by the
+    number of queues, whatever the variety of replies)."""
+    out: list[Group] = []
+    for queue_id, mine in by_queue(groups).items():
+        mine.sort(key=lambda g: (-g.recipients, g.code or 0, g.text))
+        out += mine[:per_queue]
+        rest = mine[per_queue:]
+        if rest:
+            other = Group(queue_id, rest[0].queue_name, None, "", OTHER_TEXT, 0, 0, None, None)
+            other.other = True
+            for g in rest:
+                other.merge(g)
+            out.append(other)
+    return out
+
+
 def refresh(now: datetime) -> InsightRefresh:
-    """Recompute every group and store them (one transaction): the periodic task."""
+    """Recompute every group and store the bounded summary and the incidents
+    (one transaction): the periodic task."""
+    from insight.incidents import INCIDENTS_STORED, aggregate
+
     started = time.monotonic()
     groups = compute(now)
+    by_provider, by_error = aggregate(groups, INCIDENTS_STORED)
+    incidents = [i.stored(by_error=False) for i in by_provider]
+    incidents += [i.stored(by_error=True) for i in by_error]
     rows = [
         DeferralGroup(
             queue_id=g.queue_id,
@@ -140,12 +191,15 @@ def refresh(now: datetime) -> InsightRefresh:
             first_seen=g.first_seen,
             last_seen=g.last_seen,
             trend=g.trend,
+            other=g.other,
         )
-        for g in groups
+        for g in bounded(groups)
     ]
     with transaction.atomic():
         DeferralGroup.objects.all().delete()
         DeferralGroup.objects.bulk_create(rows, batch_size=1000)
+        IncidentSummary.objects.all().delete()
+        IncidentSummary.objects.bulk_create(incidents, batch_size=1000)
         state = InsightRefresh.objects.select_for_update().first() or InsightRefresh(
             computed_at=now
         )
@@ -170,7 +224,7 @@ def refresh_due(now: datetime) -> bool:
     return state is None or state.computed_at <= now - _period(state) + timedelta(seconds=1)
 
 
-def _stored_in_use(now: datetime) -> InsightRefresh | None:
+def stored_in_use(now: datetime) -> InsightRefresh | None:
     state = InsightRefresh.objects.order_by("-computed_at").first()
     if state is None or state.deferred < settings.MAILRELAY_INSIGHT_LIVE_LIMIT:
         return None
@@ -181,7 +235,7 @@ def _stored_in_use(now: datetime) -> InsightRefresh | None:
 
 def deferral_groups(now: datetime, queue_id: int | None = None, limit: int | None = None) -> Groups:
     """The groups, live or stored (see the module doc); ``limit``: the largest only."""
-    state = _stored_in_use(now)
+    state = stored_in_use(now)
     if state is None:
         groups = compute(now, queue_id)
         total = sum(g.recipients for g in groups)
@@ -205,6 +259,7 @@ def deferral_groups(now: datetime, queue_id: int | None = None, limit: int | Non
             d.first_seen,
             d.last_seen,
             list(d.trend) or [0] * TREND_SLICES,
+            d.other,
         )
         for d in qs
     ]

@@ -236,14 +236,24 @@ def _pressure() -> list[dict[str, Any]]:
     ]
 
 
-def shaping_limit(queue: Queue, now: datetime) -> dict[str, Any] | None:
-    """HOOK (reason "shaping"): the traffic-shaping limit holding ``queue`` now.
+def shaping_limit(
+    queue: Queue, now: datetime, cache: dict[int, dict[str, Any] | None] | None = None
+) -> dict[str, Any] | None:
+    """Reason "shaping": the traffic-shaping limit holding ``queue``'s link now
+    (``insight.shaping.link_hold``: entry, which limit, its effective value,
+    when it frees, and the sentence), else None. ``cache``: per link, so the
+    recipients of one message on one link cost one Redis round trip."""
+    if not queue.link_id:
+        return None
+    if cache is not None and queue.link_id in cache:
+        return cache[queue.link_id]
+    from insight.shaping import link_hold
 
-    Helper A's shaping (``delivery/shaping/``) exposes its current limits; the
-    lead wires them here. Return ``{"limit": ..., "text": ...}`` while a limit
-    holds the queue, else None. Until then nothing is reported.
-    """
-    return None
+    hold = link_hold(queue.link, now)
+    found = hold.as_data() if hold is not None else None
+    if cache is not None:
+        cache[queue.link_id] = found
+    return found
 
 
 def _who_until(by: str, until: datetime | None) -> str:
@@ -286,6 +296,7 @@ def _explain_recipient(
     hints: dict[int, list[RetryHint]],
     pressure: list[dict[str, Any]] | None,
     now: datetime,
+    shaping: dict[int, dict[str, Any] | None] | None = None,
 ) -> RecipientExplain:
     queue: Queue | None = r.queue if r.queue_id else None
     link: Link | None = queue.link if queue is not None and queue.link_id else None
@@ -390,8 +401,9 @@ def _explain_recipient(
                 {"next_attempt_at": next_try, "error": r.last_text},
             )
         )
-    if waiting and queue is not None:
-        limit = shaping_limit(queue, now)
+    # Shaping holds what is due (a recipient waiting for its own next try waits for that).
+    if waiting and queue is not None and link is not None and r.next_attempt_at <= now:
+        limit = shaping_limit(queue, now, shaping)
         if limit is not None:
             reasons.append(Reason("shaping", limit.get("text", "A shaping limit holds it."), limit))
     if waiting and link is not None:
@@ -544,7 +556,11 @@ def explain_message(message: Message, now: datetime) -> MessageExplain:
         if message.state == MessageState.SUBMISSION and message.next_attempt_at <= now
         else None
     )
-    out = [_explain_recipient(r, message, last.get(r.pk), hints, pressure, now) for r in recipients]
+    shaping: dict[int, dict[str, Any] | None] = {}
+    out = [
+        _explain_recipient(r, message, last.get(r.pk), hints, pressure, now, shaping)
+        for r in recipients
+    ]
     if out:
         summary = out[0].reasons[0].text if out[0].reasons else ""
     elif message.state == MessageState.DONE:

@@ -9,9 +9,12 @@ The registered domain is the last two labels, or three under a common
 two-letter country second level (``co.uk``, ``com.au``, ...): a heuristic,
 without the public suffix list.
 
-The deferral groups come from ``insight.deferrals`` (live, or the refreshed
-summary at scale), so an incidents view costs what ``/deferrals/`` costs plus
-one query for the queues' links.
+While the queue is small the incidents are aggregated live from
+``insight.deferrals.compute`` (one GROUP BY plus one query for the queues'
+links). At scale the periodic refresh aggregates them from every group and
+stores the largest ``INCIDENTS_STORED`` of each kind (``IncidentSummary``), so
+a read is one indexed query per kind, whatever the number of queues. An
+incident lists its largest ``QUEUES_SHOWN`` queues and says how many it spans.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from insight.deferrals import TREND_SLICES, Group, deferral_groups
+from insight.deferrals import TREND_SLICES, Group, compute, stored_in_use
+from insight.models import IncidentSummary
 from queues.models import Queue
 
 SECOND_LEVELS = frozenset({"co", "com", "net", "org", "gov", "ac", "edu", "ne", "or", "go"})
 NO_ROUTE = "(no route)"
+INCIDENTS_STORED = 500  # per kind (by provider, by error) in the stored summary
+QUEUES_SHOWN = 20  # per incident: its largest queues (queue_count: all of them)
 
 
 def registered_domain(host: str) -> str:
@@ -63,7 +69,9 @@ class Incident:
     provider: str  # "" when grouped by error only
     error: str  # normalised
     codes: list[str] = field(default_factory=list)
+    # {"id", "name", "recipients"}, the largest first once ranked (QUEUES_SHOWN when stored)
     queues: list[dict[str, Any]] = field(default_factory=list)
+    queue_count: int = 0
     recipients: int = 0
     senders: int = 0
     first_seen: datetime | None = None
@@ -74,8 +82,13 @@ class Incident:
         code = " ".join(str(p) for p in (g.code, g.enhanced) if p)
         if code and code not in self.codes:
             self.codes.append(code)
-        if all(q["id"] != g.queue_id for q in self.queues):
-            self.queues.append({"id": g.queue_id, "name": g.queue_name})
+        for q in self.queues:
+            if q["id"] == g.queue_id:
+                q["recipients"] += g.recipients
+                break
+        else:
+            self.queues.append({"id": g.queue_id, "name": g.queue_name, "recipients": g.recipients})
+            self.queue_count += 1
         self.recipients += g.recipients
         self.senders += g.senders
         if g.first_seen and (self.first_seen is None or g.first_seen < self.first_seen):
@@ -94,12 +107,48 @@ class Incident:
             return "falling"
         return "steady"
 
+    def rank_queues(self) -> None:
+        """The largest queues first, at most QUEUES_SHOWN of them."""
+        self.queues = sorted(self.queues, key=lambda q: (-q["recipients"], q["name"]))
+        self.queues = self.queues[:QUEUES_SHOWN]
+
+    def stored(self, by_error: bool) -> IncidentSummary:
+        return IncidentSummary(
+            by_error=by_error,
+            provider=self.provider[:255],
+            error=self.error,
+            codes=self.codes,
+            queues=self.queues,
+            queue_count=self.queue_count,
+            recipients=self.recipients,
+            senders=self.senders,
+            first_seen=self.first_seen,
+            last_seen=self.last_seen,
+            trend=self.trend,
+        )
+
+    @classmethod
+    def from_stored(cls, row: IncidentSummary) -> Incident:
+        return cls(
+            row.provider,
+            row.error,
+            list(row.codes),
+            list(row.queues),
+            row.queue_count,
+            row.recipients,
+            row.senders,
+            row.first_seen,
+            row.last_seen,
+            list(row.trend) or [0] * TREND_SLICES,
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "provider": self.provider,
             "error": self.error,
             "codes": self.codes,
-            "queues": sorted(self.queues, key=lambda q: q["name"]),
+            "queues": self.queues,
+            "queue_count": self.queue_count,
             "recipients": self.recipients,
             "senders": self.senders,
             "first_seen": self.first_seen.isoformat() if self.first_seen else None,
@@ -117,19 +166,37 @@ class Incidents:
     deferred: int
 
 
-def incidents(now: datetime, limit: int = 200) -> Incidents:
-    found = deferral_groups(now)
-    providers = queue_providers({g.queue_id for g in found.groups})
+def aggregate(groups: list[Group], limit: int) -> tuple[list[Incident], list[Incident]]:
+    """The incidents of these deferral groups, by provider and error and by error
+    alone, the largest ``limit`` of each (queues named, ranked)."""
+    providers = queue_providers({g.queue_id for g in groups})
     by_provider: dict[tuple[str, str], Incident] = {}
     by_error: dict[str, Incident] = {}
-    for g in found.groups:
+    for g in groups:
         provider = providers.get(g.queue_id, g.queue_name)
         by_provider.setdefault((provider, g.text), Incident(provider, g.text)).add(g)
         by_error.setdefault(g.text, Incident("", g.text)).add(g)
 
     def ranked(items) -> list[Incident]:
-        return sorted(items, key=lambda i: (-i.recipients, i.provider, i.error))[:limit]
+        top = sorted(items, key=lambda i: (-i.recipients, i.provider, i.error))[:limit]
+        for i in top:
+            i.rank_queues()
+        return top
 
-    return Incidents(
-        ranked(by_provider.values()), ranked(by_error.values()), found.as_of, found.deferred
-    )
+    return ranked(by_provider.values()), ranked(by_error.values())
+
+
+def incidents(now: datetime, limit: int = 200) -> Incidents:
+    """Live below MAILRELAY_INSIGHT_LIVE_LIMIT deferred recipients, else the stored
+    summary of the last refresh (two indexed queries; ``as_of`` says when)."""
+    state = stored_in_use(now)
+    if state is None:
+        groups = compute(now)
+        by_provider, by_error = aggregate(groups, limit)
+        return Incidents(by_provider, by_error, None, sum(g.recipients for g in groups))
+    rows = IncidentSummary.objects.order_by("-recipients", "id")
+
+    def read(by_error: bool) -> list[Incident]:
+        return [Incident.from_stored(r) for r in rows.filter(by_error=by_error)[:limit]]
+
+    return Incidents(read(False), read(True), state.computed_at, state.deferred)

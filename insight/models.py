@@ -22,9 +22,38 @@ class DeferralGroup(models.Model):
     last_seen = models.DateTimeField(null=True, blank=True)
     # Recipients whose last try fell in each of the last hour's 10-minute slices, oldest first.
     trend = models.JSONField(default=list)
+    # The queue's groups beyond its largest (insight.deferrals.GROUPS_PER_QUEUE), merged.
+    other = models.BooleanField(default=False)
 
     class Meta:
-        indexes = [models.Index(fields=["queue"], name="deferralgroup_by_queue")]
+        indexes = [
+            models.Index(fields=["queue"], name="deferralgroup_by_queue"),
+            models.Index(fields=["-recipients", "id"], name="deferralgroup_largest"),
+        ]
+
+
+class IncidentSummary(models.Model):
+    """One incident as of the last refresh: deferrals of one provider and one
+    normalised error (``by_error`` False), or of one error across providers
+    (True), aggregated by insight.deferrals.refresh so a read of the incidents
+    at scale is one indexed query (the largest first)."""
+
+    by_error = models.BooleanField()
+    provider = models.CharField(max_length=255, blank=True)  # "" when by error
+    error = models.TextField(blank=True)
+    codes = models.JSONField(default=list)
+    queues = models.JSONField(default=list)  # the largest (insight.incidents.QUEUES_SHOWN)
+    queue_count = models.PositiveIntegerField(default=0)
+    recipients = models.PositiveIntegerField()
+    senders = models.PositiveIntegerField(default=0)
+    first_seen = models.DateTimeField(null=True, blank=True)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    trend = models.JSONField(default=list)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["by_error", "-recipients", "id"], name="incident_largest"),
+        ]
 
 
 class InsightRefresh(models.Model):

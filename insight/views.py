@@ -135,7 +135,11 @@ def _live(queue: Queue, now: datetime) -> dict[str, Any]:
                 "enhanced": g.enhanced,
                 "text": g.text,
                 "recipients": g.recipients,
-                "query": _query({"queue": str(queue.pk), "error_group": g.text}),
+                "query": _query(
+                    {"queue": str(queue.pk), "status": "retry"}
+                    if g.other
+                    else {"queue": str(queue.pk), "error_group": g.text}
+                ),
             }
             for g in groups[:TOP_ERRORS]
         ],

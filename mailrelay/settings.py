@@ -274,6 +274,8 @@ MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT = env_int("MAILRELAY_SMTP_MAX_CONNECTI
 MAILRELAY_SMTP_MAX_SESSION_TIME = env_duration("MAILRELAY_SMTP_MAX_SESSION_TIME", "1h")
 MAILRELAY_SMTP_JUNK_COMMAND_LIMIT = env_int("MAILRELAY_SMTP_JUNK_COMMAND_LIMIT", 100)
 MAILRELAY_SMTP_MIN_DATA_RATE = env_int("MAILRELAY_SMTP_MIN_DATA_RATE", 500)
+# runsmtp processes sharing the listening ports (SO_REUSEPORT); 0 = one per two cores.
+MAILRELAY_SMTP_PROCESSES = env_int("MAILRELAY_SMTP_PROCESSES", 0)
 
 MAILRELAY_TRANSPORTS = env_str("MAILRELAY_TRANSPORTS", "")
 MAILRELAY_SMART_HOST = env_str("MAILRELAY_SMART_HOST", "")
@@ -445,6 +447,9 @@ MAILRELAY_EVENT_LOG = env_str("MAILRELAY_EVENT_LOG", "")  # a path, "-" (stdout)
 MAILRELAY_WEBHOOK_TIMEOUT = env_duration("MAILRELAY_WEBHOOK_TIMEOUT", "5s")
 MAILRELAY_WEBHOOK_RETRY_FOR = env_duration("MAILRELAY_WEBHOOK_RETRY_FOR", "24h")
 MAILRELAY_WEBHOOK_CONCURRENCY = env_int("MAILRELAY_WEBHOOK_CONCURRENCY", 4)
+# false: webhook URLs to loopback, private or link-local addresses are refused
+# (at save and, after DNS resolution, at send time); docs/webhooks.md.
+MAILRELAY_WEBHOOK_ALLOW_PRIVATE = env_bool("MAILRELAY_WEBHOOK_ALLOW_PRIVATE", True)
 # Beat: tracking partitions and retention hourly; a ring for due webhooks (a lost ring).
 # Added to the schedule above (insight), never assigned again: one assignment
 # would drop the other's tasks (tests/test_deployment.py checks them all).

@@ -174,9 +174,13 @@ def queue_status(queue: Queue) -> str:
 # --- the normalised error of "deferrals grouped by error" ---------------------
 
 # Any token holding a digit: counts, ids, IP addresses, host names with numbers.
-# The same class in Python and in PostgreSQL's regexp_replace (ERROR_TOKEN_SQL).
-_TOKEN_WITH_DIGIT = re.compile(r"[\w.+=/-]*\d[\w.+=/-]*")
-ERROR_TOKEN_SQL = "[[:alnum:]_.+=/-]*[0-9][[:alnum:]_.+=/-]*"
+# The same class in Python and in PostgreSQL's regexp_replace (ERROR_TOKEN_SQL),
+# spelled out in ASCII: \w, \d and [[:alnum:]] differ between the two (Unicode
+# digits, the database's locale), so the summary's groups and the error_group
+# filter would not agree on replies with non-ASCII letters or digits.
+_TOKEN_CLASS = "[A-Za-z0-9_.+=/-]"
+_TOKEN_WITH_DIGIT = re.compile(f"{_TOKEN_CLASS}*[0-9]{_TOKEN_CLASS}*")
+ERROR_TOKEN_SQL = f"{_TOKEN_CLASS}*[0-9]{_TOKEN_CLASS}*"
 _SPACES = re.compile(r"\s+")
 
 
@@ -194,7 +198,7 @@ def error_normalize(text: str) -> str:
 def error_pattern(normalized: str) -> str:
     """A regular expression that matches every text normalising to ``normalized``."""
     parts = [re.escape(p) for p in _SPACES.sub(" ", normalized.strip()).split("#")]
-    body = r"[\w.+=/-]*\d[\w.+=/-]*".join(parts).replace(r"\ ", r"\s+")
+    body = ERROR_TOKEN_SQL.join(parts).replace(r"\ ", r"\s+")
     return "^\\s*" + body + "\\s*$"
 
 

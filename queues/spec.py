@@ -142,6 +142,8 @@ class OperatorAction:
     # The options it takes besides its target (OPTION_HELP), singly and in bulk.
     params: tuple[str, ...] = ()
     bulk_params: tuple[str, ...] | None = None  # default: params
+    # The options it cannot do without (reroute: to); missing: ActionInvalid (HTTP 400).
+    required: tuple[str, ...] = ()
 
     @property
     def bulk_action(self) -> str:
@@ -175,6 +177,12 @@ class OperatorAction:
             out["ndr"] = self.ndr if ndr is None else ndr
         return out
 
+    def require(self, options: Mapping[str, Any]) -> None:
+        """ActionInvalid for an option the action cannot do without (reroute: to)."""
+        for key in self.required:
+            if not str(options.get(key) or "").strip():
+                raise ActionInvalid(f"{key}: {self.name} needs {key}: {OPTION_HELP[key]}")
+
     def run(self, obj: Any, actor: Any, via: str, *, ndr: bool | None = None, **options) -> int:
         """The action on one message or queue (ActionConflict when it makes no sense)."""
         return self.service(obj, actor, via, **self._options(ndr, options, self.params))
@@ -190,11 +198,22 @@ class OperatorAction:
     def preview(self, queryset: QuerySet, **options: Any) -> int:
         return self.select(queryset, **options).count()
 
-    def dry_run(self, queryset: QuerySet, *, ndr: bool | None = None, **options: Any) -> Preview:
+    def dry_run(
+        self,
+        queryset: QuerySet,
+        *,
+        ndr: bool | None = None,
+        partial: bool = False,
+        **options: Any,
+    ) -> Preview:
         """What ``apply`` would do with these arguments: how many it changes and the
         consequences (recipients failing, NDRs and their senders, rows skipped in
-        flight), from the action's own queries; nothing changes."""
+        flight), from the action's own queries; nothing changes. A required option
+        missing is ActionInvalid, unless ``partial`` (a form that asks for it next:
+        the count is then what any value would change)."""
         opts = self._options(ndr, options, self.takes_in_bulk)
+        if not partial:
+            self.require(opts)
         if self.target == "message":
             return actions.messages_preview(self.bulk_action, queryset, **opts)
         return actions.queues_preview(self.bulk_action, queryset, **opts)
@@ -212,6 +231,7 @@ class OperatorAction:
     ) -> int:
         """The action on every row of ``select(queryset)``; returns how many changed."""
         opts = self._options(ndr, options, self.takes_in_bulk)
+        self.require(opts)
         if self.target == "message":
             return actions.messages_apply(
                 self.bulk_action, queryset, actor, via, ids=ids, filter=filter, **opts
@@ -335,6 +355,7 @@ QUEUE_ACTIONS: dict[str, OperatorAction] = {
             "send the queue's mail to another next hop (until unrouted, or until the time "
             "given); its waiting messages are due there now",
             params=("to", "until"),
+            required=("to",),
         ),
         OperatorAction(
             "unroute",

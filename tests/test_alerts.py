@@ -68,11 +68,33 @@ def test_per_queue_overrides_and_the_api_top_bar_and_gauge(settings, client: Cli
     off = make_queue("off.example")
     for q in (strict, patient, off):
         _age(q, timedelta(minutes=90))
-    body = api_client(make_user("viewer")).get("/api/v1/alerts/").json()
+    api = api_client(make_user("viewer"))
+    # The GET reads what the periodic task stored: before it runs, nothing.
+    assert api.get("/api/v1/alerts/").json() == {"alerts": []}
+    assert AlertState.objects.count() == 0 and not Event.objects.filter(kind="alert").exists()
+    refresh()  # beat
+    body = api.get("/api/v1/alerts/").json()
     assert [(a["queue"]["name"], a["level"]) for a in body["alerts"]] == [
         ("strict.example", "warning")
     ]
     assert body["alerts"][0]["threshold_seconds"] == 3600
+    # The GET never writes: an aged queue is not raised, nor a recovered one cleared,
+    # until the task runs again.
+    _age(strict, timedelta(minutes=1))
+    _age(patient, timedelta(hours=13))
+    for _ in range(2):
+        again = api.get("/api/v1/alerts/").json()["alerts"]
+        assert [(a["queue"]["name"], a["level"]) for a in again] == [("strict.example", "warning")]
+    assert Event.objects.filter(kind="alert").count() == 1
+    refresh()
+    body = api.get("/api/v1/alerts/").json()
+    assert [(a["queue"]["name"], a["level"]) for a in body["alerts"]] == [
+        ("patient.example", "critical")
+    ]
+    assert Event.objects.filter(kind="alert").count() == 3  # raised, raised, cleared
+    _age(patient, timedelta(minutes=90))
+    _age(strict, timedelta(minutes=90))
+    refresh()
     client.force_login(make_user("viewer", "v2"))
     page = client.get("/queues/").content.decode()
     assert 'data-alert-level="warning"' in page and "1 age alert (warning)" in page

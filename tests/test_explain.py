@@ -226,3 +226,105 @@ def test_the_message_page_shows_the_explain_block(client):
     assert 'id="explain"' in page
     assert 'data-reason="queue_suspended"' in page
     assert 'data-explain-action="queue-resume"' in page
+
+
+def test_the_message_page_links_to_its_tracking_search(client):
+    import html
+    import re
+
+    from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+
+    client.force_login(make_user("viewer"))
+    env = IncomingEnvelope(
+        mail_from="a@example.org",
+        recipients=[IncomingRecipient("u@example.net")],
+        client_address="127.0.0.1",
+        client_helo="client.test",
+    )
+    message_accept(env, b"From: a@example.org\r\nSubject: t\r\n\r\nx\r\n")
+    m = Message.objects.get()
+    page = client.get(f"/messages/{m.pk}/").content.decode()
+    href = html.unescape(re.search(r'<a href="([^"]+)" id="tracking-link"', page).group(1))
+    assert href == f"/tracking/?qid={m.qid}"
+    found = client.get(href)
+    assert found.status_code == 200
+    body = found.content.decode()
+    assert m.qid in body and "received" in body
+
+
+SHAPED = """
+entries:
+  - name: slow
+    domain: shaped.test
+    max_connections: 1
+    max_message_rate: 2/min
+"""
+
+
+def test_a_link_held_by_a_shaping_rate_or_slot_is_explained(
+    settings, tmp_path, broker, monkeypatch, smtp_port, sink_factory
+):
+    """A policy file, real Redis counters filled by real delivery rounds to a sink."""
+    from delivery.shaping import gate, limiter, policy
+
+    path = tmp_path / "shaping.yaml"
+    path.write_text(SHAPED)
+    settings.MAILRELAY_SHAPING = str(path)
+    settings.MAILRELAY_TRANSPORTS = f"shaped.test=[127.0.0.2]:{smtp_port}"
+    policy.reset()
+    gate._domains.clear()
+    monkeypatch.setattr(gate, "ring_later", lambda link_id, s: None)
+    sink = sink_factory("127.0.0.2")
+    from tests.support.pipeline import drain
+
+    started = clock.now()
+    messages = [make_message(f"u{i}@shaped.test") for i in range(3)]  # in Submission
+    drain()
+    assert len(sink.messages) == 2  # 2/min: the third waits for the window
+    waiting = Message.objects.get(pk=messages[2].pk)
+    x = _first(waiting)
+    assert x.reason == "shaping"
+    shaped = x.reasons[0]
+    next_at = shaped.data["next_at"]
+    assert abs((next_at - (started + timedelta(minutes=1))).total_seconds()) < 5
+    assert shaped.text == (
+        f"Waiting for the shaping limit of entry slow (2/min), next at {next_at.isoformat()}."
+    )
+    assert (shaped.data["limit"], shaped.data["in_use"], shaped.data["allowed"]) == (
+        "message rate",
+        2,
+        2,
+    )
+    body = api_client(make_user("viewer")).get(f"/api/v1/messages/{waiting.pk}/explain/").json()
+    assert body["recipients"][0]["reason"] == "shaping"
+    assert "entry slow (2/min)" in body["recipients"][0]["reasons"][0]["text"]
+    # The window frees: no longer shaping, just due.
+    clock.advance(timedelta(seconds=61))
+    assert _first(waiting).reason == "due"
+    # A connection slot held by another round (here: its lease for 5 minutes).
+    lim = limiter.limiter()
+    link = Recipient.objects.get(message=waiting).queue.link
+    scope = gate.scope_of(gate.entry_for(link, policy.current()), link.pk)
+    held = lim.acquire(
+        scope,
+        now=clock.now().timestamp(),
+        lease=300,
+        token="other-round",
+        max_connections=1,
+        messages_per_connection=1,
+        want=1,
+        message_rate=None,
+        connection_rate=None,
+        waiter="0",
+    )
+    assert held.connections == 1
+    x = _first(waiting)
+    assert x.reason == "shaping" and x.reasons[0].data["limit"] == "connections"
+    assert "entry slow (1 connection at once), next at" in x.reasons[0].text
+    lease_end = x.reasons[0].data["next_at"]
+    assert abs((lease_end - clock.now() - timedelta(minutes=5)).total_seconds()) < 2
+    # Without the policy file nothing is shaped (and Redis is not asked).
+    settings.MAILRELAY_SHAPING = ""
+    policy.reset()
+    assert _first(waiting).reason == "due"
+    policy.reset()

@@ -172,9 +172,12 @@ def _queue_fingerprints() -> dict[int, tuple]:
             .values_list("state", "next_attempt_at")
         )
         link = queue.link.next_retry_at if queue.link_id else None
-        rows[queue.pk] = (queue.suspended, link, waiting)
+        rows[queue.pk] = (queue.suspended, queue.reroute_to, link, waiting)
     return rows
 
+
+# The options an action cannot do without (OperatorAction.required): reroute's next hop.
+REQUIRED_OPTIONS = {"to": "[10.0.0.9]:25"}
 
 QUEUE_FILTER_CASES = [
     {},
@@ -191,9 +194,13 @@ QUEUE_FILTER_CASES = [
 def test_a_queue_preview_counts_exactly_what_the_action_changes(queues, name, params):
     spec = QUEUE_ACTIONS[name]
     qs = QueueFilter.from_params(params).queryset()
-    preview = spec.preview(qs)
+    if spec.required:  # reroute: refused without its next hop, never a silent 0
+        with pytest.raises(actions.ActionInvalid):
+            spec.apply(qs, "tester", Via.API, filter=params)
+    opts = REQUIRED_OPTIONS if spec.required else {}
+    preview = spec.preview(qs, **opts)
     before = _queue_fingerprints()
-    changed = spec.apply(qs, "tester", Via.API, filter=params)
+    changed = spec.apply(qs, "tester", Via.API, filter=params, **opts)
     after = _queue_fingerprints()
     really = sum(1 for pk, fp in before.items() if after[pk] != fp)
     assert (preview, changed) == (really, really)
@@ -240,9 +247,10 @@ def test_a_single_queue_action_succeeds_exactly_on_what_the_bulk_selection_holds
 ):
     spec = QUEUE_ACTIONS[name]
     queue = queues[case]
-    selected = spec.select(Queue.objects.filter(pk=queue.pk)).exists()
+    opts = REQUIRED_OPTIONS if spec.required else {}
+    selected = spec.select(Queue.objects.filter(pk=queue.pk), **opts).exists()
     try:
-        spec.run(queue, "tester", Via.UI)
+        spec.run(queue, "tester", Via.UI, **opts)
     except actions.ActionConflict:
         done = False
     else:

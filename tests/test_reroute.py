@@ -107,6 +107,13 @@ def test_a_rerouted_queue_goes_to_the_new_hop_until_its_end_then_back(
     )
     ended = Event.objects.get(kind="reroute_ended")
     assert ended.queue_id == queue.pk and "its end time came" in ended.text
+    auto = AuditEntry.objects.get(via="system")
+    assert (auto.actor_name, auto.action, auto.target_ids) == (
+        "system",
+        "queue_unroute",
+        [queue.pk],
+    )
+    assert "re-route by olga to [127.0.0.3]" in auto.detail
     accept("w@example.net")
     drain()
     assert [m.rcpt_tos for m in home.messages][-1] == ["w@example.net"]
@@ -224,6 +231,13 @@ def test_the_confirmation_page_previews_a_reroute_by_filter_with_its_options(rel
     page = client.get("/queues/by-filter/", {"action": "reroute", "name": "example"})
     assert page.context["count"] == 0  # nothing can change before a next hop is given
     assert [name for name, _ in page.context["option_fields"]] == ["to", "until"]
+    # Confirmed without one: a clear error, nothing changed (never a silent "0 re-routed").
+    response = client.post("/queues/by-filter/", {"action": "reroute", "name": "example"})
+    assert response.status_code == 302
+    shown = client.get(response["Location"]).content.decode()
+    assert "Not done: to: reroute needs to" in shown and "Nothing was changed" in shown
+    assert not Queue.objects.exclude(reroute_to="").exists()
+    assert not AuditEntry.objects.exists()
     params = {"action": "reroute", "name": "example", "to": "[10.0.0.9]:25", "until": UNTIL}
     page = client.get("/queues/by-filter/", params)
     assert (page.context["count"], page.context["options"]) == (
@@ -242,3 +256,36 @@ def test_the_confirmation_page_previews_a_reroute_by_filter_with_its_options(rel
     )
     # Again with the same options (the same end time): nothing left to change.
     assert client.get("/queues/by-filter/", params).context["count"] == 0
+
+
+def test_a_bulk_reroute_without_a_next_hop_is_refused_everywhere(relay, olga, client):
+    make_queue("example.net")
+    make_queue("b.example")
+    api = api_client(olga)
+    for body in (
+        {"action": "reroute", "filter": {"name": "example"}},
+        {"action": "reroute", "filter": {"name": "example"}, "confirm": True},
+        {
+            "action": "reroute",
+            "ids": list(Queue.objects.values_list("id", flat=True)),
+            "confirm": True,
+            "to": "  ",
+        },
+    ):
+        response = api.post("/api/v1/queues/bulk/", body, format="json")
+        assert response.status_code == 400, body
+        assert response.json()["detail"].startswith("to: reroute needs to")
+    # The selected queues' form in the UI.
+    client.force_login(olga)
+    ids = [str(i) for i in Queue.objects.values_list("id", flat=True)]
+    response = client.post("/queues/selected/", {"action": "reroute", "ids": ids})
+    shown = client.get(response["Location"]).content.decode()
+    assert "Not done: to: reroute needs to" in shown
+    # The command, for real and as a dry run.
+    from django.core.management import CommandError, call_command
+
+    for extra in ([], ["--dry-run"]):
+        with pytest.raises(CommandError, match="to: "):
+            call_command("queue", "reroute", "example.net", *extra)
+    assert not Queue.objects.exclude(reroute_to="").exists()
+    assert not AuditEntry.objects.exists()

@@ -63,6 +63,29 @@ def test_a_queue_suspended_until_a_time_resumes_by_itself_and_rings_its_link(
     assert bells.links.count(queue.link_id) >= 1
     event = Event.objects.get(kind="suspend_ended")
     assert event.queue_id == queue.pk and "suspension by olga ended" in event.text
+    # The automatic end is in the audit log too: actor and via "system".
+    auto = AuditEntry.objects.get(via="system")
+    assert (auto.actor_id, auto.actor_name, auto.action, auto.target_type) == (
+        None,
+        "system",
+        "queue_resume",
+        "queue",
+    )
+    assert auto.target_ids == [queue.pk] and auto.count == 1
+    assert "suspension by olga ended" in auto.detail
+    # ... and the audit log's filters (API and page) find it by via.
+    body = api_client(olga).get("/api/v1/audit/", {"via": "system"}).json()
+    rows = body["results"] if isinstance(body, dict) else body
+    assert [(r["actor"], r["via"], r["action"]) for r in rows] == [
+        ("system", "system", "queue_resume")
+    ]
+    from django.test import Client
+
+    page = Client()
+    page.force_login(olga)
+    html = page.get("/audit/", {"via": "system"}).content.decode()
+    assert '<option value="system" selected>' in html and "queue_resume" in html
+    assert ">queue_suspend<" not in html  # olga's own entry is via ui
 
 
 def test_a_message_suspended_until_a_time_is_released_by_the_reclaim_beat(
@@ -81,6 +104,14 @@ def test_a_message_suspended_until_a_time_is_released_by_the_reclaim_beat(
     assert Message.objects.get(pk=other.pk).suspended
     assert queue.link_id in bells.links
     assert "suspension by olga ended" in Event.objects.get(message=message).text
+    auto = AuditEntry.objects.get(via="system")
+    assert (auto.actor_name, auto.action, auto.target_ids, auto.count) == (
+        "system",
+        "message_resume",
+        [message.pk],
+        1,
+    )
+    assert f"{message.qid} (suspended by olga)" in auto.detail
 
 
 def test_a_resume_by_hand_clears_the_time(olga):

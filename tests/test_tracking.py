@@ -207,6 +207,47 @@ def test_nothing_is_logged_for_a_transaction_that_rolled_back(
     assert not TrackingEvent.objects.filter(qid="X1").exists()
 
 
+def _append_lines(path: str, tag: int, count: int) -> None:
+    writer = eventlog._Writer(path)
+    writer.put([json.dumps({"tag": tag, "i": i, "pad": "x" * 3000}) + "\n" for i in range(count)])
+    writer.flush()
+
+
+def test_lines_of_several_processes_appending_to_one_file_never_interleave(tmp_path):
+    import multiprocessing
+    from pathlib import Path
+
+    path = str(tmp_path / "shared.jsonl")
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_append_lines, args=(path, t, 400)) for t in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+        assert w.exitcode == 0
+    lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines()]
+    assert sorted((x["tag"], x["i"]) for x in lines) == [
+        (t, i) for t in range(4) for i in range(400)
+    ]
+
+
+def test_lines_queued_at_a_normal_exit_are_written(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "exit.jsonl"
+    script = (
+        "from django.conf import settings\n"
+        f"settings.configure(MAILRELAY_EVENT_LOG={str(path)!r})\n"
+        "from tracking import eventlog\n"
+        "eventlog._emit([f'{{\"i\": {i}}}\\n' for i in range(50000)])\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", script], cwd=root, check=True, timeout=60)
+    assert len(path.read_text().splitlines()) == 50000
+
+
 @pytest.mark.parametrize(
     ("reply", "expected"),
     [
@@ -229,7 +270,7 @@ def test_day_partitions_are_made_ahead_and_dropped_after_retention():
 
     # A row far ahead lands in the default partition, and moves into its day's
     # partition when that is made.
-    later = now + timedelta(days=10)
+    later = now + timedelta(days=partitions.DAYS_AHEAD + 5)
     record.write([record.new("received", later, qid="AHEAD")])
     report = partitions.maintain(later - timedelta(days=2), timedelta(days=30))
     assert partitions.partition_name(later.date()) in report.created

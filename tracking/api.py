@@ -65,12 +65,31 @@ class TrackingView(APIView):
 
 
 class EndpointSerializer(serializers.ModelSerializer):
-    secret = serializers.CharField(required=False, allow_blank=True, max_length=200)
+    """The secret is write-only: answered in clear only by the creation and by
+    ``rotate-secret``; otherwise ``secret_hint`` (its last four characters)."""
+
+    secret = serializers.CharField(
+        required=False, allow_blank=True, max_length=200, write_only=True
+    )
+    secret_hint = serializers.SerializerMethodField()
 
     class Meta:
         model = WebhookEndpoint
-        fields = ["id", "name", "url", "events", "secret", "enabled", "created_at", "updated_at"]
+        fields = [
+            "id",
+            "name",
+            "url",
+            "events",
+            "secret",
+            "secret_hint",
+            "enabled",
+            "created_at",
+            "updated_at",
+        ]
         read_only_fields = ["id", "created_at", "updated_at"]
+
+    def get_secret_hint(self, endpoint: WebhookEndpoint) -> str:
+        return services.secret_hint(endpoint.secret)
 
     def validate_events(self, value):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -135,6 +154,13 @@ class WebhookEndpointViewSet(viewsets.ModelViewSet):
         except services.EndpointError as exc:
             raise ValidationError({"detail": str(exc)}) from None
 
+    def create(self, request: Request, *args, **kwargs) -> Response:
+        response = super().create(request, *args, **kwargs)
+        # Shown this once; GET answers only its hint.
+        response.data["secret"] = response.data.serializer.instance.secret
+        response["Cache-Control"] = "no-store"
+        return response
+
     def perform_update(self, serializer):
         data = dict(serializer.validated_data)
         data.pop("name", None)
@@ -144,6 +170,17 @@ class WebhookEndpointViewSet(viewsets.ModelViewSet):
 
     def perform_destroy(self, instance):
         services.delete(self.request.user, VIA_API, instance)
+
+    @extend_schema(request=None, responses={200: dict})
+    @action(detail=True, methods=["post"], url_path="rotate-secret")
+    def rotate_secret(self, request: Request, pk: str | None = None) -> Response:
+        """A new random secret, answered this once (``{"secret": …}``)."""
+        endpoint = self.get_object()
+        secret = services.rotate_secret(request.user, VIA_API, endpoint)
+        return Response(
+            {"id": endpoint.pk, "secret": secret, "secret_hint": services.secret_hint(secret)},
+            headers={"Cache-Control": "no-store"},
+        )
 
     @extend_schema(responses={200: dict})
     @action(detail=True, methods=["get"])

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import secrets
+import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
+
+from django.conf import settings
 
 from queues import clock
 from queues.models import AuditEntry
@@ -41,11 +45,46 @@ def clean_url(url: str) -> str:
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise EndpointError("url: an http:// or https:// URL")
+    if not settings.MAILRELAY_WEBHOOK_ALLOW_PRIVATE:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            addresses = resolve(parts.hostname, port)
+        except OSError:
+            addresses = []  # not resolvable now: the sender checks at each POST
+        private = [a for a in addresses if not is_public(a)]
+        if private:
+            raise EndpointError(
+                f"url: {parts.hostname} is a private address ({private[0]}), refused as "
+                "MAILRELAY_WEBHOOK_ALLOW_PRIVATE is false"
+            )
     return url.strip()
+
+
+def is_public(address: str) -> bool:
+    """False for loopback, RFC 1918, link-local (169.254.169.254), CGNAT, ULA…"""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+def resolve(host: str, port: int) -> list[str]:
+    """The addresses of ``host`` (an IP literal is its own), in resolver order."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    out: list[str] = []
+    for *_, sockaddr in infos:
+        if sockaddr[0] not in out:
+            out.append(sockaddr[0])
+    return out
 
 
 def new_secret() -> str:
     return secrets.token_urlsafe(32)
+
+
+def secret_hint(secret: str) -> str:
+    """What is shown of a secret after its creation: its last four characters."""
+    return f"…{secret[-4:]}" if len(secret) >= 16 else "…"
 
 
 def _audit(actor, via: str, action: str, endpoint: WebhookEndpoint) -> None:
@@ -107,6 +146,16 @@ def update(actor, via: str, endpoint: WebhookEndpoint, **changes) -> WebhookEndp
     return endpoint
 
 
+def rotate_secret(actor, via: str, endpoint: WebhookEndpoint) -> str:
+    """A new random secret for ``endpoint``; returned once (shown masked after)."""
+    endpoint.secret = new_secret()
+    endpoint.updated_at = clock.now()
+    endpoint.save(update_fields=["secret", "updated_at"])
+    _audit(actor, via, "webhook_rotate_secret", endpoint)
+    outbox.invalidate()
+    return endpoint.secret
+
+
 def delete(actor, via: str, endpoint: WebhookEndpoint) -> None:
     _audit(actor, via, "webhook_delete", endpoint)
     endpoint.delete()
@@ -131,4 +180,12 @@ def recent(endpoint: WebhookEndpoint, limit: int = 50) -> dict:
     }
 
 
-__all__ = ["EndpointError", "WebhookDelivery", "create", "delete", "recent", "update"]
+__all__ = [
+    "EndpointError",
+    "WebhookDelivery",
+    "create",
+    "delete",
+    "recent",
+    "rotate_secret",
+    "update",
+]

@@ -3,19 +3,26 @@
 Lines are handed over after the commit of their transaction
 (``transaction.on_commit``) to a writer thread through a bounded queue, so a
 slow disk or a stalled pipe never holds a delivery: when the queue is full
-the lines are dropped and counted (a warning says how many). The schema is
-documented in docs/tracking.md.
+the lines are dropped and counted (a warning says how many). Best effort:
+lines still queued when the process is killed (kill -9, os._exit) are lost;
+a normal exit writes them first (atexit, up to 5 s). Each line is one
+``os.write`` on a file opened ``O_APPEND``, so several processes may append to
+one file without their lines interleaving. The schema is documented in
+docs/tracking.md.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
+import os
 import queue
 import sys
 import threading
 from collections.abc import Iterable
-from typing import IO, Any
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -62,57 +69,78 @@ def as_dict(row: Any) -> dict[str, Any]:
 class _Writer:
     def __init__(self, target: str) -> None:
         self.target = target
-        self.lines: queue.Queue[str | None] = queue.Queue(QUEUE_LINES)
+        self.lines: queue.Queue[bytes] = queue.Queue(QUEUE_LINES)
         self.dropped = 0
-        self.stream: IO[str] | None = None
+        self.fd: int | None = None
         self.thread = threading.Thread(target=self._run, name="event-log", daemon=True)
         self.thread.start()
 
     def put(self, lines: list[str]) -> None:
         for line in lines:
             try:
-                self.lines.put_nowait(line)
+                self.lines.put_nowait(line.encode())
             except queue.Full:
                 self.dropped += 1
         if self.dropped and self.dropped % 1000 == 1:
             log.warning("event log %s is behind: %d lines dropped", self.target, self.dropped)
 
-    def _open(self) -> IO[str]:
-        if self.stream is None:
+    def _open(self) -> int:
+        if self.fd is None:
             if self.target == "-":
                 # The process's real stdout: a Celery worker replaces sys.stdout
                 # with a logger, which would wrap each line in a log record.
-                self.stream = sys.__stdout__ or sys.stdout
+                stream = sys.__stdout__ or sys.stdout
+                stream.flush()
+                self.fd = stream.fileno()
             else:
-                self.stream = open(self.target, "a", encoding="utf-8")  # noqa: SIM115
-        return self.stream
+                # O_APPEND: each write lands at the end of the file, whatever other
+                # processes appended (and after a copytruncate).
+                self.fd = os.open(
+                    self.target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666
+                )
+        return self.fd
+
+    def _write_line(self, fd: int, line: bytes) -> None:
+        """One os.write per line: lines of several processes appending to one file
+        never interleave (a short write, which a full disk can cause, goes on)."""
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view) :]
 
     def _run(self) -> None:
         while True:
             line = self.lines.get()
+            batch = [line]
             try:
-                batch = [line]
                 while True:  # write what is waiting in one go
                     try:
                         batch.append(self.lines.get_nowait())
                     except queue.Empty:
                         break
-                stream = self._open()
-                stream.write("".join(x for x in batch if x is not None))
-                stream.flush()
+                fd = self._open()
+                for item in batch:
+                    self._write_line(fd, item)
             except OSError:
                 log.exception("could not write the event log %s", self.target)
-                self.stream = None
+                if self.fd is not None and self.target != "-":
+                    with contextlib.suppress(OSError):
+                        os.close(self.fd)
+                self.fd = None
             finally:
                 for _ in batch:
                     self.lines.task_done()
 
-    def flush(self) -> None:
-        self.lines.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every line handed over is written (at most ``timeout`` s)."""
+        with self.lines.all_tasks_done:
+            return self.lines.all_tasks_done.wait_for(
+                lambda: not self.lines.unfinished_tasks, timeout
+            )
 
 
 _writer: _Writer | None = None
 _lock = threading.Lock()
+EXIT_FLUSH_SECONDS = 5.0
 
 
 def _get_writer() -> _Writer | None:
@@ -126,6 +154,24 @@ def _get_writer() -> _Writer | None:
                 _writer.flush()
             _writer = _Writer(target)
         return _writer
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """A process that exits normally writes what waits (for up to 5 s); kill -9 or
+    os._exit lose the lines still queued (best effort, docs/tracking.md)."""
+    if _writer is not None and not _writer.flush(EXIT_FLUSH_SECONDS):
+        log.warning("event log %s: lines still queued at exit are lost", _writer.target)
+
+
+def _forget_in_child() -> None:
+    """A forked child has no writer thread: it starts its own."""
+    global _writer, _lock
+    _writer = None
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def after_commit(rows: Iterable[Any]) -> None:

@@ -16,7 +16,7 @@ INSERT, in the caller's transaction (tracking.record):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -32,7 +32,7 @@ def _facts(message_ids: Iterable[int]) -> dict[int, tuple[str, str, str]]:
     """qid, sender and Message-ID of each message (one SELECT)."""
     return {
         mid: (qid, sender, msgid)
-        for mid, qid, sender, msgid in Message.objects.filter(id__in=set(message_ids)).values_list(
+        for mid, qid, sender, msgid in Message.objects.filter(id__any=set(message_ids)).values_list(
             *_FACTS
         )
     }
@@ -43,11 +43,33 @@ def _message_fields(facts: Mapping[int, tuple[str, str, str]], mid: int) -> dict
     return {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
 
 
-def placed(placements: Mapping[str, Any], now: datetime) -> None:
+# What ``placed`` needs of each recipient and its message, in this order (the
+# categorizer loads them with the recipients it routes: no SELECT here then).
+PLACED_FACTS = (
+    "id",
+    "address",
+    "message_id",
+    "message__qid",
+    "message__mail_from",
+    "message__message_id",
+    "message__client_address",
+    "message__auth_account",
+    "message__size",
+    "message__received_at",
+    "message__next_attempt_at",
+    "message__source",
+)
+
+
+def placed(
+    placements: Mapping[str, Any], now: datetime, facts: Mapping[int, tuple] | None = None
+) -> None:
     """After the categorizer decided a batch (delivery.categorize._apply).
 
     ``placements`` maps a domain to its decision: ``recipient_ids`` and either
     ``route`` (queue_name, link_name) or ``error`` (permanent, enhanced, text).
+    ``facts``: the PLACED_FACTS of the recipients by id, when the caller has
+    them (else one SELECT).
     """
     by_id: dict[int, tuple[str, Any]] = {}
     for domain, placement in placements.items():
@@ -55,24 +77,12 @@ def placed(placements: Mapping[str, Any], now: datetime) -> None:
             by_id[rid] = (domain, placement)
     if not by_id:
         return
-    from queues.models import Recipient
+    if facts is not None and all(rid in facts for rid in by_id):
+        recipients = [facts[rid] for rid in by_id]
+    else:
+        from queues.models import Recipient
 
-    recipients = list(
-        Recipient.objects.filter(id__in=list(by_id)).values_list(
-            "id",
-            "address",
-            "message_id",
-            "message__qid",
-            "message__mail_from",
-            "message__message_id",
-            "message__client_address",
-            "message__auth_account",
-            "message__size",
-            "message__received_at",
-            "message__next_attempt_at",
-            "message__source",
-        )
-    )
+        recipients = list(Recipient.objects.filter(id__any=list(by_id)).values_list(*PLACED_FACTS))
     rows = []
     seen: set[int] = set()
     for rid, address, mid, qid, sender, msgid, client, account, size, rcvd, nxt, src in recipients:
@@ -130,22 +140,36 @@ def _tls(attempt: Any) -> str:
     return f"{attempt.tls_version} {attempt.tls_cipher} {verified}".strip()[:160]
 
 
-def attempted(attempts: list[Any], rows: Mapping[int, Any], link: Link, now: datetime) -> None:
+def attempted(
+    attempts: list[Any],
+    rows: Mapping[int, Any],
+    link: Link,
+    now: datetime,
+    facts: Mapping[int, tuple[str, str, str]] | None = None,
+    owned: Container[int] | None = None,
+) -> None:
     """After a delivery round wrote its attempts (delivery.deliver._write):
     ``attempts`` are its queues.models.Attempt objects, ``rows`` the round's
-    recipients by id with their new state."""
+    recipients by id with their new state, ``owned`` the ids of those it could
+    still write (None: all); ``facts``: qid, sender and
+    Message-ID by message id when the caller has them (else one SELECT)."""
     if not attempts:
         return
-    facts = _facts(a.message_id for a in attempts)
+    if facts is None or any(a.message_id not in facts for a in attempts):
+        facts = _facts(a.message_id for a in attempts)
     out = []
     for a in attempts:
         row = rows.get(a.recipient_id)
         state = getattr(row, "state", None)
-        if state == RecipientState.FAILED or (state is None and a.outcome == "failed"):
-            event = events.FAILED
-        elif a.outcome == "delivered":
+        if owned is not None and a.recipient_id not in owned:
+            state = None
+        if a.outcome == "delivered":
             event = events.DELIVERED
+        elif state == RecipientState.FAILED:
+            event = events.FAILED
         else:
+            # Deferred; or the round lost its claim before recording (``row`` is
+            # None): the recipient waits for its new owner, not failed.
             event = events.DEFERRED
         reply = " ".join(str(p) for p in (a.code or "", a.enhanced, a.text) if p)
         out.append(

@@ -110,6 +110,12 @@ class WebhookDelivery(models.Model):
             models.Index(fields=["endpoint", "-created_at"], name="tracking_wh_endpoint"),
             # Pruning finished rows.
             models.Index(fields=["finished_at"], name="tracking_wh_finished"),
+            # Failing pending rows older than MAILRELAY_WEBHOOK_RETRY_FOR (sender.fail_expired).
+            models.Index(
+                fields=["created_at"],
+                name="tracking_wh_pending_age",
+                condition=models.Q(state="pending"),
+            ),
         ]
 
 

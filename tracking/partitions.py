@@ -3,11 +3,16 @@
 PostgreSQL: ``tracking_event`` is partitioned by range of ``at``, one
 partition per UTC day (``tracking_event_p20260124``), plus a default
 partition that only catches rows outside the prepared days (a clock far off,
-a beat that did not run). Beat runs ``maintain`` hourly: it creates the
-partitions of the next days (moving rows of those days out of the default
-partition first), drops partitions entirely older than
-``MAILRELAY_TRACKING_RETENTION`` (a DROP TABLE, no big DELETE) and deletes
-expired rows of the default partition in small batches.
+a beat that did not run for more than ``DAYS_AHEAD`` days). Beat runs
+``maintain`` hourly: it creates the partitions of the next ``DAYS_AHEAD``
+days (moving rows of those days out of the default partition first, under a
+lock), drops partitions entirely older than ``MAILRELAY_TRACKING_RETENTION``
+(a DROP TABLE, no big DELETE) and deletes expired rows of the default
+partition in small batches. Each day is made or dropped on its own, and
+dropping and pruning run whatever became of the making. When today's
+partition is missing (rows of today already in the default one, which are
+not moved while the day is written to) an Event ``tracking_partition`` says
+so every run.
 
 SQLite (the embedded default): one plain table, expired rows deleted in
 batches of ``PRUNE_BATCH``.
@@ -17,18 +22,22 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
-from django.db import OperationalError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 
 log = logging.getLogger(__name__)
 
 TABLE = "tracking_event"
 DEFAULT_PARTITION = f"{TABLE}_default"
-DAYS_AHEAD = 3
+# Partitions are made this many days ahead: a beat stopped for up to a week
+# still finds today's partition when it comes back.
+DAYS_AHEAD = 10
 PRUNE_BATCH = 5000
-PRUNE_BATCHES_PER_RUN = 20
+PRUNE_BATCHES_PER_RUN = 200  # up to 1,000,000 rows a run …
+PRUNE_SECONDS = 120  # … or two minutes of deleting, whichever comes first
 _NAME = re.compile(rf"^{TABLE}_p(\d{{8}})$")
 
 COLUMNS_PG = """
@@ -64,15 +73,25 @@ INDEXES = (
     ("tracking_event_at", "(at)"),
     ("tracking_event_qid", "(qid, at)"),
     ("tracking_event_msgid", "(message_id, at)"),
-    ("tracking_event_sender", "(lower(sender), at)"),
-    ("tracking_event_rcpt", "(lower(recipient), at)"),
+    ("tracking_event_sender_nz", "(lower(sender), at)"),
+    ("tracking_event_rcpt_nz", "(lower(recipient), at)"),
     ("tracking_event_remote", "(remote_id, at)"),
     ("tracking_event_event", "(event, at)"),
 )
-# Partial where most rows have nothing to index.
+# Indexes of migration 0001 that 0002 replaced (dropped where they exist).
+REPLACED = ("tracking_event_sender", "tracking_event_rcpt")
+# Indexes dropped for good (migration 0002), with their definition for a rollback.
+DROPPED_DEFINITIONS: dict[str, str] = {}
+DROPPED = tuple(DROPPED_DEFINITIONS)
+# Partial where many rows have nothing to index (a search names a value, and
+# tracking.search adds the same ``<> ''`` so the planner can use them): only
+# ``received`` rows have a Message-ID, only ``delivered`` a remote id,
+# message-wide rows have no recipient, DSNs have the null sender.
 PARTIAL = {
     "tracking_event_msgid": "message_id <> ''",
     "tracking_event_remote": "remote_id <> ''",
+    "tracking_event_sender_nz": "sender <> ''",
+    "tracking_event_rcpt_nz": "recipient <> ''",
 }
 
 
@@ -91,10 +110,17 @@ def create_table(vendor: str) -> list[str]:
             .replace("jsonb", "text")
         )
         statements = [f"CREATE TABLE {TABLE} ({columns})"]
+    statements.extend(create_indexes())
+    return statements
+
+
+def create_indexes() -> list[str]:
+    """CREATE INDEX IF NOT EXISTS of every index (on the parent: every partition gets it)."""
+    out = []
     for name, columns in INDEXES:
         where = f" WHERE {PARTIAL[name]}" if name in PARTIAL else ""
-        statements.append(f"CREATE INDEX {name} ON {TABLE} {columns}{where}")
-    return statements
+        out.append(f"CREATE INDEX IF NOT EXISTS {name} ON {TABLE} {columns}{where}")
+    return out
 
 
 def partition_name(day: date) -> str:
@@ -126,15 +152,48 @@ def partitions() -> dict[date, str]:
 # ATTACH and DROP lock the parent table: never wait behind a long search while
 # every writer queues up behind us; give up and try again at the next run.
 LOCK_TIMEOUT = "2s"
+# A day still written to: today, and yesterday for an hour after midnight (a
+# ``received`` row is dated its message's arrival).
+LIVE_GRACE = timedelta(hours=1)
 
 
-def create_partition(day: date) -> None:
-    """The partition of ``day``; rows of that day waiting in the default partition move in."""
+class LiveRowsInDefault(Exception):
+    """Rows of a day still written to wait in the default partition: not attached."""
+
+
+def _default_has_rows(cur, start: datetime, end: datetime) -> bool:
+    cur.execute(
+        f"SELECT EXISTS (SELECT 1 FROM {DEFAULT_PARTITION} WHERE at >= %s AND at < %s)",
+        [start, end],
+    )
+    return bool(cur.fetchone()[0])
+
+
+def create_partition(day: date, now: datetime | None = None) -> None:
+    """The partition of ``day``; rows of that day waiting in the default partition move in.
+
+    The default partition is locked (SHARE ROW EXCLUSIVE: writers into it wait,
+    searches go on) before the move, so no row of the day commits into it
+    between the move and the ATTACH (which would fail with a CheckViolation).
+    A writer that waited then fails PostgreSQL's re-check of the default
+    partition's constraint, so a day still written to (``now`` within it) is
+    not made while rows of it are in the default: ``LiveRowsInDefault``; its
+    rows stay there (searchable, pruned after the retention).
+    """
     name = partition_name(day)
     start, end = _bounds(day)
     with transaction.atomic(), connection.cursor() as cur:
         cur.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+        if _default_has_rows(cur, start, end):
+            if now is not None and start <= now < end + LIVE_GRACE:
+                raise LiveRowsInDefault(name)
+            cur.execute(f"LOCK TABLE {DEFAULT_PARTITION} IN SHARE ROW EXCLUSIVE MODE")
         cur.execute(f"CREATE TABLE IF NOT EXISTS {name} (LIKE {TABLE} INCLUDING DEFAULTS)")
+        # The bounds as a constraint: ATTACH need not scan the new table.
+        cur.execute(
+            f"ALTER TABLE {name} ADD CONSTRAINT {name}_bounds CHECK (at >= %s AND at < %s)",
+            [start, end],
+        )
         cur.execute(
             f"WITH moved AS (DELETE FROM {DEFAULT_PARTITION} WHERE at >= %s AND at < %s "
             f"RETURNING *) INSERT INTO {name} SELECT * FROM moved",
@@ -144,6 +203,7 @@ def create_partition(day: date) -> None:
             f"ALTER TABLE {TABLE} ATTACH PARTITION {name} FOR VALUES FROM (%s) TO (%s)",
             [start, end],
         )
+        cur.execute(f"ALTER TABLE {name} DROP CONSTRAINT {name}_bounds")
 
 
 @dataclass
@@ -151,10 +211,17 @@ class MaintenanceReport:
     created: list[str]
     dropped: list[str]
     pruned: int
+    not_made: list[str] = field(default_factory=list)  # days due but not made this run
+    today_missing: bool = False
 
 
 def maintain(now: datetime, retention: timedelta) -> MaintenanceReport:
-    """Prepare the coming days, drop or prune what is past ``retention``."""
+    """Prepare the coming days, drop or prune what is past ``retention``.
+
+    Each day is made or dropped on its own (a lock timeout or a conflict skips
+    that day until the next run); dropping and pruning run whatever became of
+    the making of partitions.
+    """
     cutoff = now - retention
     if connection.vendor != "postgresql":
         return MaintenanceReport(
@@ -166,46 +233,91 @@ def maintain(now: datetime, retention: timedelta) -> MaintenanceReport:
                 cutoff,
             ),
         )
+    report = MaintenanceReport([], [], 0)
+    try:
+        _make_days(now, cutoff, report)
+    finally:
+        try:
+            report.dropped = _drop_days(cutoff)
+        finally:
+            report.pruned = _prune(
+                f"DELETE FROM {DEFAULT_PARTITION} WHERE ctid IN (SELECT ctid FROM "
+                f"{DEFAULT_PARTITION} WHERE at < %s LIMIT {PRUNE_BATCH})",
+                cutoff,
+            )
+    return report
+
+
+def _make_days(now: datetime, cutoff: datetime, report: MaintenanceReport) -> None:
     existing = partitions()
-    created = []
     today = now.astimezone(UTC).date()
     for offset in range(-1, DAYS_AHEAD + 1):
         day = today + timedelta(days=offset)
-        if day not in existing and _bounds(day)[1] > cutoff:
-            try:
-                create_partition(day)
-            except OperationalError:  # lock_timeout: the next run makes it
-                log.warning(
-                    "tracking partition %s not made now", partition_name(day), exc_info=True
-                )
-                continue
-            created.append(partition_name(day))
-    dropped = []
-    for day, name in sorted(existing.items()):
-        if _bounds(day)[1] <= cutoff:
-            try:
-                with transaction.atomic(), connection.cursor() as cur:
-                    cur.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-                    cur.execute(f"DROP TABLE {name}")
-            except OperationalError:
-                log.warning("tracking partition %s not dropped now", name, exc_info=True)
-                continue
-            dropped.append(name)
-    pruned = _prune(
-        f"DELETE FROM {DEFAULT_PARTITION} WHERE ctid IN (SELECT ctid FROM "
-        f"{DEFAULT_PARTITION} WHERE at < %s LIMIT {PRUNE_BATCH})",
-        cutoff,
+        if day in existing or _bounds(day)[1] <= cutoff:
+            continue
+        name = partition_name(day)
+        try:
+            create_partition(day, now)
+        except LiveRowsInDefault:
+            log.warning("tracking partition %s not made: its rows are in the default one", name)
+            report.not_made.append(name)
+            continue
+        except (OperationalError, IntegrityError):  # lock timeout; a row committed meanwhile
+            log.warning("tracking partition %s not made now", name, exc_info=True)
+            report.not_made.append(name)
+            continue
+        report.created.append(name)
+        existing[day] = name
+    if today not in existing:
+        report.today_missing = True
+        _today_missing(now, partition_name(today))
+
+
+def _today_missing(now: datetime, name: str) -> None:
+    """An Event: today's rows go to the default partition (beat did not run for days)."""
+    from queues.models import Event, EventLevel
+
+    text = (
+        f"tracking partition {name} is missing: today's tracking rows go to the default "
+        "partition (deleted row by row after the retention, not dropped); "
+        "check that beat runs tracking.tasks.maintain hourly"
     )
-    return MaintenanceReport(created, dropped, pruned)
+    log.error(text)
+    Event.objects.create(
+        created_at=now,
+        level=EventLevel.WARNING,
+        kind="tracking_partition",
+        text=text,
+        data={"partition": name},
+    )
+
+
+def _drop_days(cutoff: datetime) -> list[str]:
+    dropped = []
+    for day, name in sorted(partitions().items()):
+        if _bounds(day)[1] > cutoff:
+            continue
+        try:
+            with transaction.atomic(), connection.cursor() as cur:
+                cur.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                cur.execute(f"DROP TABLE {name}")
+        except OperationalError:
+            log.warning("tracking partition %s not dropped now", name, exc_info=True)
+            continue
+        dropped.append(name)
+    return dropped
 
 
 def _prune(sql: str, cutoff: datetime) -> int:
+    """Delete in batches of ``PRUNE_BATCH`` until done, or ``PRUNE_SECONDS`` passed
+    (the next hourly run goes on): about a million rows a run."""
     total = 0
+    started = time.monotonic()
     for _ in range(PRUNE_BATCHES_PER_RUN):
         with connection.cursor() as cur:
             cur.execute(sql, [cutoff])
             deleted = cur.rowcount
         total += deleted
-        if deleted < PRUNE_BATCH:
+        if deleted < PRUNE_BATCH or time.monotonic() - started > PRUNE_SECONDS:
             break
     return total

@@ -10,15 +10,18 @@ fields cost several times as much CPU per row, on the path of every message
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 
 from tracking import eventlog, outbox
+
+log = logging.getLogger(__name__)
 
 # Column lengths of tracking_event (tracking.partitions); longer text is cut.
 LIMITS = {
@@ -132,6 +135,15 @@ def write(rows: Sequence[Row]) -> None:
     them) and hand their event-log lines over after commit."""
     if not rows:
         return
-    insert(rows)
-    outbox.enqueue(rows)
+    # In a savepoint of its own: a tracking row that cannot be written (a lock
+    # timeout behind partition maintenance, a value the table refuses) must not
+    # roll back the delivery or routing it describes — that would send a
+    # message again. The row and its webhooks stay atomic with each other.
+    try:
+        with transaction.atomic():
+            insert(rows)
+            outbox.enqueue(rows)
+    except DatabaseError:
+        log.exception("could not write %d tracking rows; the mail goes on without them", len(rows))
+        return
     eventlog.after_commit(rows)

@@ -100,9 +100,14 @@ def parse_query(params: Mapping[str, str]) -> TrackingQuery:
 def queryset(query: TrackingQuery) -> QuerySet[TrackingEvent]:
     qs = TrackingEvent.objects.all()
     if query.sender:
-        qs = qs.alias(sender_lower=Lower("sender")).filter(sender_lower=query.sender.lower())
+        # ``<> ''``: the predicate of the partial index (tracking.partitions.PARTIAL)
+        qs = qs.alias(sender_lower=Lower("sender")).filter(
+            ~Q(sender=""), sender_lower=query.sender.lower()
+        )
     if query.recipient:
-        qs = qs.alias(rcpt_lower=Lower("recipient")).filter(rcpt_lower=query.recipient.lower())
+        qs = qs.alias(rcpt_lower=Lower("recipient")).filter(
+            ~Q(recipient=""), rcpt_lower=query.recipient.lower()
+        )
     if query.message_id:
         bare = query.message_id.strip("<>")
         qs = qs.filter(message_id__in=[f"<{bare}>", bare])

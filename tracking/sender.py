@@ -10,16 +10,24 @@ doubling with each failure in a row up to 1 h, and none of its webhooks is
 tried meanwhile (a dead endpoint costs one try per interval, not one per
 event); its first success ends it. A webhook whose next try would come later
 than ``MAILRELAY_WEBHOOK_RETRY_FOR`` (24 h) after its event is ``failed``
-(shown on the endpoint's page and in the API).
+(shown on the endpoint's page and in the API); so is, by ``fail_expired``
+(beat), any pending row older than that which no sender holds (a disabled
+endpoint's rows, which are not claimed, wait for it until then).
+
+``MAILRELAY_WEBHOOK_TIMEOUT`` bounds each POST as a whole (a watchdog shuts a
+socket still busy at the deadline), and a claim's lease outlasts POSTing all
+its rows, so a slow receiver never leads another sender to take them too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import os
 import socket
 import ssl
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,10 +36,11 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Case, F, Q, TextField, Value, When
 
 from queues import clock
 from tracking import signing
+from tracking.endpoints import is_public, resolve
 from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
 log = logging.getLogger(__name__)
@@ -65,30 +74,100 @@ def backoff(attempts: int) -> timedelta:
     return timedelta(seconds=min(FIRST_RETRY * 2 ** max(attempts - 1, 0), MAX_RETRY))
 
 
-def post(url: str, body: str, headers: dict[str, str], timeout: float) -> PostResult:
-    """One POST, no redirects followed; any 2xx is success."""
+class _Connection(http.client.HTTPConnection):
+    """One POST's connection: to addresses resolved (and checked) beforehand, each
+    connect bounded by what is left of the POST's deadline; ``abort`` (the
+    watchdog at the deadline) shuts the socket, ending any read in progress."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        addresses: list[str],
+        deadline: float,
+        context: ssl.SSLContext | None,
+    ) -> None:
+        super().__init__(host, port, timeout=max(deadline - time.monotonic(), 0.001))
+        self.addresses, self.deadline, self.context = addresses, deadline, context
+        self.aborted = False
+
+    def connect(self) -> None:
+        error: OSError = OSError(f"no address for {self.host}")
+        for address in self.addresses:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or self.aborted:
+                raise TimeoutError("timed out")
+            try:
+                sock = socket.create_connection((address, self.port), left)
+            except OSError as exc:
+                error = exc
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.context is not None:
+                sock = self.context.wrap_socket(sock, server_hostname=self.host)
+            self.sock = sock
+            return
+        raise error
+
+    def abort(self) -> None:
+        self.aborted = True
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def post(
+    url: str, body: str, headers: dict[str, str], timeout: float, allow_private: bool = True
+) -> PostResult:
+    """One POST, no redirects followed; any 2xx is success.
+
+    ``timeout`` bounds the whole request (connect, send, the answer and up to
+    ``READ_LIMIT`` of its body), not each socket read: a receiver that trickles
+    its answer a byte at a time is cut at the deadline. Without
+    ``allow_private``, a host that resolves to a loopback, private or
+    link-local address is refused (the addresses connected to are those checked).
+    """
     started = time.monotonic()
+    deadline = started + timeout
     parts = urlsplit(url)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return PostResult(None, f"unsupported URL {url!r}", 0)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    conn: _Connection | None = None
     try:
+        addresses = resolve(parts.hostname, port)
+        if not allow_private:
+            public = [a for a in addresses if is_public(a)]
+            if not public:
+                return PostResult(
+                    None,
+                    f"refused: {parts.hostname} resolves to a private address "
+                    f"({', '.join(addresses)}); MAILRELAY_WEBHOOK_ALLOW_PRIVATE is false",
+                    int((time.monotonic() - started) * 1000),
+                )
+            addresses = public
+        context = None
         if parts.scheme == "https":
             context = ssl.create_default_context(cafile=settings.MAILRELAY_TLS_CA_FILE or None)
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                parts.hostname, parts.port, timeout=timeout, context=context
-            )
-        elif parts.scheme == "http":
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-        else:
-            return PostResult(None, f"unsupported URL scheme {parts.scheme!r}", 0)
+        conn = _Connection(parts.hostname, port, addresses, deadline, context)
+        watchdog = threading.Timer(max(deadline - time.monotonic(), 0), conn.abort)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             conn.request("POST", path, body=body.encode(), headers=headers)
             response = conn.getresponse()
             response.read(READ_LIMIT)
             status = response.status
         finally:
+            watchdog.cancel()
             conn.close()
     except (OSError, http.client.HTTPException) as exc:
-        text = f"{type(exc).__name__}: {exc}"[:500]
+        if conn is not None and conn.aborted:
+            text = f"TimeoutError: timed out (no whole answer within {timeout:g} s)"
+        else:
+            text = f"{type(exc).__name__}: {exc}"[:500]
         return PostResult(None, text, int((time.monotonic() - started) * 1000))
     ms = int((time.monotonic() - started) * 1000)
     return PostResult(status, "" if 200 <= status < 300 else f"HTTP {status}", ms)
@@ -105,14 +184,28 @@ def headers_for(delivery: WebhookDelivery, secret: str, timestamp: int) -> dict[
 
 
 def _due(now: datetime):
+    """Pending rows due now, not leased, of an enabled endpoint that is not resting.
+
+    A disabled endpoint's rows are not claimed: they wait for it to be enabled
+    again, and are failed once older than MAILRELAY_WEBHOOK_RETRY_FOR
+    (``fail_expired``)."""
     return (
-        WebhookDelivery.objects.filter(state=DeliveryState.PENDING, next_attempt_at__lte=now)
+        WebhookDelivery.objects.filter(
+            state=DeliveryState.PENDING, next_attempt_at__lte=now, endpoint__enabled=True
+        )
         .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
         .filter(Q(endpoint__down_until__isnull=True) | Q(endpoint__down_until__lte=now))
     )
 
 
-def claim(owner: str, now: datetime, limit: int = CLAIM) -> list[WebhookDelivery]:
+def lease_for(limit: int, timeout: float) -> timedelta:
+    """A claim's lease: longer than POSTing every row of it up to its timeout."""
+    return max(LEASE, timedelta(seconds=2 * limit * timeout + 60))
+
+
+def claim(
+    owner: str, now: datetime, limit: int = CLAIM, lease: timedelta = LEASE
+) -> list[WebhookDelivery]:
     with transaction.atomic():
         ids = list(
             _due(now)
@@ -123,12 +216,37 @@ def claim(owner: str, now: datetime, limit: int = CLAIM) -> list[WebhookDelivery
         if not ids:
             return []
         WebhookDelivery.objects.filter(id__in=ids).update(
-            lease_owner=owner, lease_until=now + LEASE
+            lease_owner=owner, lease_until=now + lease
         )
     return list(
         WebhookDelivery.objects.filter(id__in=ids, lease_owner=owner)
         .select_related("endpoint")
         .order_by("next_attempt_at", "id")
+    )
+
+
+GAVE_UP = "not sent within MAILRELAY_WEBHOOK_RETRY_FOR"
+
+
+def fail_expired(now: datetime) -> int:
+    """Fail every pending row older than MAILRELAY_WEBHOOK_RETRY_FOR that no sender
+    holds: one UPDATE (rows of a resting, dead or disabled endpoint are not tried,
+    so nothing else would fail them)."""
+    cutoff = now - settings.MAILRELAY_WEBHOOK_RETRY_FOR
+    return (
+        WebhookDelivery.objects.filter(state=DeliveryState.PENDING, created_at__lt=cutoff)
+        .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
+        .update(
+            state=DeliveryState.FAILED,
+            finished_at=now,
+            lease_owner="",
+            lease_until=None,
+            last_error=Case(
+                When(last_error="", then=Value(GAVE_UP)),
+                default=F("last_error"),
+                output_field=TextField(),
+            ),
+        )
     )
 
 
@@ -163,32 +281,40 @@ def send_due(owner: str | None = None, limit: int = CLAIM) -> int:
     """Send one claim of due webhooks. Returns how many rows it claimed."""
     owner = owner or owner_id()
     now = clock.now()
-    batch = claim(owner, now, limit)
     timeout = settings.MAILRELAY_WEBHOOK_TIMEOUT.total_seconds()
+    allow_private = settings.MAILRELAY_WEBHOOK_ALLOW_PRIVATE
+    lease = lease_for(limit, timeout)
+    batch = claim(owner, now, limit, lease)
+    # No POST starts that could end after the lease (another sender may take the rows then).
+    last_start = time.monotonic() + lease.total_seconds() - timeout - 30
     give_up_after = settings.MAILRELAY_WEBHOOK_RETRY_FOR
     resting: dict[int, datetime] = {}  # endpoints that failed in this claim: until when
     for delivery in batch:
         endpoint = delivery.endpoint
-        if not endpoint.enabled:  # kept for when it is enabled again, within the day
-            if now + DISABLED_WAIT > delivery.created_at + give_up_after:
+        deadline = delivery.created_at + give_up_after
+        wait_until = resting.get(endpoint.pk)
+        if not endpoint.enabled:  # disabled since the claim: waits for it, untried
+            wait_until = now + DISABLED_WAIT
+        elif wait_until is None and time.monotonic() > last_start:
+            wait_until = delivery.next_attempt_at  # the lease runs out: the next claim
+        if wait_until is not None:  # waits (with its endpoint), untried
+            if wait_until > deadline:
                 _finish(
                     delivery,
                     owner,
                     state=DeliveryState.FAILED,
-                    finished_at=now,
-                    last_error="endpoint disabled",
+                    finished_at=clock.now(),
+                    last_error=delivery.last_error or GAVE_UP,
                 )
             else:
-                _finish(delivery, owner, next_attempt_at=now + DISABLED_WAIT)
-            continue
-        if endpoint.pk in resting:  # waits with its endpoint, untried
-            _finish(delivery, owner, next_attempt_at=resting[endpoint.pk])
+                _finish(delivery, owner, next_attempt_at=wait_until)
             continue
         result = post(
             endpoint.url,
             delivery.body,
             headers_for(delivery, endpoint.secret, int(time.time())),
             timeout,
+            allow_private,
         )
         at = clock.now()
         WebhookAttempt.objects.create(
@@ -206,7 +332,7 @@ def send_due(owner: str | None = None, limit: int = CLAIM) -> int:
             _finish(delivery, owner, state=DeliveryState.DELIVERED, finished_at=at, **tried)
             continue
         resting[endpoint.pk] = next_at = _endpoint_down(endpoint, at, result.error)
-        if next_at > delivery.created_at + give_up_after:
+        if next_at > deadline:
             _finish(delivery, owner, state=DeliveryState.FAILED, finished_at=at, **tried)
             log.warning(
                 "webhook %s to %s failed for good: %s",
@@ -225,15 +351,23 @@ def has_due(now: datetime | None = None) -> bool:
 
 KEEP_FINISHED = timedelta(days=7)
 PRUNE_BATCH = 5000
+PRUNE_SECONDS = 60
 
 
 def prune(now: datetime) -> int:
-    """Delivered and failed rows (with their attempts) are kept a week."""
-    ids = list(
-        WebhookDelivery.objects.filter(finished_at__lt=now - KEEP_FINISHED).values_list(
-            "id", flat=True
-        )[:PRUNE_BATCH]
-    )
-    if ids:
-        WebhookDelivery.objects.filter(id__in=ids).delete()
-    return len(ids)
+    """Delivered and failed rows (with their attempts) are kept a week; deleted in
+    batches until none is left or ``PRUNE_SECONDS`` passed (the next run goes on)."""
+    total = 0
+    started = time.monotonic()
+    while time.monotonic() - started < PRUNE_SECONDS:
+        ids = list(
+            WebhookDelivery.objects.filter(finished_at__lt=now - KEEP_FINISHED).values_list(
+                "id", flat=True
+            )[:PRUNE_BATCH]
+        )
+        if ids:
+            WebhookDelivery.objects.filter(id__in=ids).delete()
+        total += len(ids)
+        if len(ids) < PRUNE_BATCH:
+            break
+    return total

@@ -33,7 +33,9 @@ def send_webhooks() -> int:
 
 @shared_task(name="tracking.tasks.webhook_sweep")
 def webhook_sweep() -> bool:
-    """Beat's safety net: ring the sender when due webhooks wait (a ring was lost)."""
+    """Beat's safety net: ring the sender when due webhooks wait (a ring was lost);
+    fail the pending ones older than MAILRELAY_WEBHOOK_RETRY_FOR (one UPDATE)."""
+    sender.fail_expired(clock.now())
     if sender.has_due():
         send_webhooks.delay()
         return True
@@ -44,11 +46,17 @@ def webhook_sweep() -> bool:
 def maintain() -> dict:
     """Partitions of the coming days, tracking rows past retention, old webhook rows."""
     now = clock.now()
-    report = partitions.maintain(now, settings.MAILRELAY_TRACKING_RETENTION)
-    pruned_webhooks = sender.prune(now)
+    try:
+        report = partitions.maintain(now, settings.MAILRELAY_TRACKING_RETENTION)
+    finally:  # webhook rows are failed and pruned whatever became of the partitions
+        failed_webhooks = sender.fail_expired(now)
+        pruned_webhooks = sender.prune(now)
     return {
         "created": report.created,
+        "not_made": report.not_made,
+        "today_missing": report.today_missing,
         "dropped": report.dropped,
         "pruned": report.pruned,
+        "webhooks_failed": failed_webhooks,
         "webhooks_pruned": pruned_webhooks,
     }

@@ -81,7 +81,7 @@ def webhook_list(request: HttpRequest) -> HttpResponse:
             flash.error(request, str(exc))
         else:
             flash.success(request, f"Webhook {endpoint.name} added.")
-            return redirect("tracking:webhook", pk=endpoint.pk)
+            return _detail_page(request, endpoint, new_secret=endpoint.secret)
     return _page(
         request,
         "tracking/webhooks.html",
@@ -111,14 +111,36 @@ def webhook_detail(request: HttpRequest, pk: int) -> HttpResponse:
         else:
             flash.success(request, f"Webhook {endpoint.name} saved.")
             return redirect("tracking:webhook", pk=endpoint.pk)
-    return _page(
+    return _detail_page(request, endpoint)
+
+
+def _detail_page(
+    request: HttpRequest, endpoint: WebhookEndpoint, new_secret: str = ""
+) -> HttpResponse:
+    """The endpoint's page; ``new_secret`` (after creation or rotation) is shown this
+    once, in the answer to that POST (never stored in the session or a redirect)."""
+    response = _page(
         request,
         "tracking/webhook.html",
         "webhooks",
         endpoint=endpoint,
         webhook_events=WEBHOOK_EVENTS,
+        secret_hint=services.secret_hint(endpoint.secret),
+        new_secret=new_secret,
         **services.recent(endpoint),
     )
+    if new_secret:
+        response["Cache-Control"] = "no-store"
+    return response
+
+
+@admin_required
+@require_POST
+def webhook_rotate_secret(request: HttpRequest, pk: int) -> HttpResponse:
+    endpoint = get_object_or_404(WebhookEndpoint, pk=pk)
+    secret = services.rotate_secret(request.user, VIA_UI, endpoint)
+    flash.success(request, f"Webhook {endpoint.name}: new secret.")
+    return _detail_page(request, endpoint, new_secret=secret)
 
 
 @admin_required

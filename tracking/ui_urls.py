@@ -11,4 +11,9 @@ urlpatterns = [
     path("webhooks/", ui.webhook_list, name="webhooks"),
     path("webhooks/<int:pk>/", ui.webhook_detail, name="webhook"),
     path("webhooks/<int:pk>/delete/", ui.webhook_delete, name="webhook_delete"),
+    path(
+        "webhooks/<int:pk>/rotate-secret/",
+        ui.webhook_rotate_secret,
+        name="webhook_rotate_secret",
+    ),
 ]

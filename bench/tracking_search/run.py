@@ -141,6 +141,14 @@ def kinds(rows: int) -> dict[str, callable]:
             "since": "1d",
             "sender": f"sender{(m := msg()) % 5000}@s{m % 50}.example",
         },
+        # Event-only searches over a time range (the case of the (event, at) index):
+        # a common event (1 row in 15) and one with no row at all (worst case).
+        "event failed, 2d window": lambda: {
+            "event": "failed",
+            "since": f"{(h := random.randint(50, 700))}h",
+            "until": f"{h - 48}h",
+        },
+        "event expired (none), 1d": lambda: {"event": "expired", "since": "1d"},
         "time window 2h": lambda: {"since": f"{random.randint(3, 700)}h", "until": "2h"},
         "newest": lambda: {},
     }

@@ -517,7 +517,7 @@ class AuditViewSet(OperatorAPI, viewsets.GenericViewSet):
             OpenApiParameter("action", str, description="e.g. queue_suspend, message_remove"),
             OpenApiParameter("actor", str),
             OpenApiParameter("target_type", str, description="queue or message"),
-            OpenApiParameter("via", str, description="ui, api or cli"),
+            OpenApiParameter("via", str, description="ui, api, cli or system"),
             OpenApiParameter("since", str, description="2h, 1d or ISO time"),
             *CURSOR_PARAMS,
         ],
@@ -595,7 +595,8 @@ class ErrorGroupsView(OperatorAPI, APIView):
                     "enhanced": g.enhanced,
                     "text": g.text,
                     "recipients": g.recipients,
-                    "messages": replace_query_param(url, "error_group", g.text),
+                    "other": g.other,  # several errors merged: the link is the queue's
+                    "messages": url if g.other else replace_query_param(url, "error_group", g.text),
                 }
             )
         return Response(out)

@@ -85,6 +85,7 @@ class Via(models.TextChoices):
     UI = "ui", "Queue Viewer"
     API = "api", "REST API"
     CLI = "cli", "command line"
+    SYSTEM = "system", "the relay itself"  # timed ends (queues.services.timed), actor "system"
 
 
 # The services' action names. Labels, past tenses, help and roles are the
@@ -543,11 +544,14 @@ def _delivery_queues(queryset: QuerySet[Queue]) -> QuerySet[Queue]:
     return queryset.exclude(delivery_type=DeliveryType.SUBMISSION)
 
 
+REROUTE_TO_MISSING = "the next hop to send the queues' mail to is missing, e.g. [10.0.0.9]:25"
+
+
 def _select_reroute(qs: QuerySet[Queue], opts: Options) -> QuerySet[Queue]:
     # reroute.start: every queue with a next hop, except one already re-routed
     # exactly so (same next hop, same end).
     rerouteable = qs.filter(delivery_type__in=reroute.REROUTABLE)
-    if not opts.to:  # refused for every queue (ActionInvalid) until a next hop is given
+    if not opts.to:  # nothing changes without a next hop (queues_apply: ActionInvalid)
         return rerouteable.none()
     same = Q(reroute_to=opts.to) & (
         Q(reroute_until__isnull=True) if opts.until is None else Q(reroute_until=opts.until)
@@ -605,6 +609,8 @@ def queues_apply(
     with transaction.atomic():
         now = clock.now()
         opts = options_for(actor, now, **options)
+        if action == QueueAction.REROUTE and not opts.to:  # never a silent "0 changed"
+            raise ActionInvalid(f"to: {REROUTE_TO_MISSING}")
         selected = queues_select(action, queryset, opts).select_for_update(of=("self",))
         for queue in selected.select_related("link").order_by("id"):
             before = queue_state(queue)

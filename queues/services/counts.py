@@ -294,6 +294,7 @@ class ErrorGroup:
     enhanced: str
     text: str  # normalised (error_normalize): the value of the error_group filter
     recipients: int
+    other: bool = False  # the summary's "other errors" row of a queue (insight.deferrals)
 
 
 def error_groups(queue_id: int | None = None, limit: int = 200) -> list[ErrorGroup]:
@@ -309,7 +310,7 @@ def error_groups(queue_id: int | None = None, limit: int = 200) -> list[ErrorGro
 
     found = deferral_groups(clock.now(), queue_id, limit).groups
     groups = [
-        ErrorGroup(g.queue_id, g.queue_name, g.code, g.enhanced, g.text, g.recipients)
+        ErrorGroup(g.queue_id, g.queue_name, g.code, g.enhanced, g.text, g.recipients, g.other)
         for g in found
     ]
     groups.sort(key=lambda g: (-g.recipients, g.queue_name, g.text))

@@ -7,7 +7,9 @@ sweep and by the quicker reclaim beat (``delivery.sweep``): it resumes what is
 due and ends due re-routes with the same cores the operator's resume and
 unroute run, each in its own transaction, and rings the engine (the cores
 send ``queues.signals`` after commit). Each automatic end is an ``Event`` on
-the queue or message, naming who started it.
+the queue or message, naming who started it, and an ``AuditEntry`` by actor
+"system" via "system" (one per queue; one per batch of messages), in the same
+transaction as the change.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from queues.units import format_duration, parse_duration
 
 # Messages whose suspension ends in one pass (the rest in the next one).
 RESUME_BATCH = 1000
+SYSTEM = "system"  # the audit's actor for what ends by itself
 
 
 def parse_until(text: str | datetime | None, now: datetime) -> datetime | None:
@@ -81,6 +84,12 @@ def _event(now: datetime, kind: str, text: str, **refs: object) -> Event:
     return Event(created_at=now, level=EventLevel.INFO, kind=kind, text=text, **refs)
 
 
+def _audit(action: str, target_type: str, ids: list[int], detail: str) -> None:
+    from queues.services.actions import Via, _audit
+
+    _audit(SYSTEM, Via.SYSTEM, action, target_type, ids=ids, count=len(ids), detail=detail)
+
+
 def _resume_queues(now: datetime, report: TimedReport) -> None:
     from queues.services.actions import QueueAction, queue_core
 
@@ -97,13 +106,12 @@ def _resume_queues(now: datetime, report: TimedReport) -> None:
                 continue
             by = queue.suspended_by
             queue_core(QueueAction.RESUME)(queue, now)
-            _event(
-                now,
-                "suspend_ended",
+            text = (
                 f"queue {queue.name}: suspension by {by or 'an operator'} ended "
-                f"({until_text(queue.suspended_until)}); delivering again",
-                queue=queue,
-            ).save()
+                f"({until_text(queue.suspended_until)}); delivering again"
+            )
+            _event(now, "suspend_ended", text, queue=queue).save()
+            _audit("queue_resume", "queue", [queue.pk], text)
         report.queues_resumed += 1
 
 
@@ -138,6 +146,14 @@ def _resume_messages(now: datetime, report: TimedReport) -> None:
             )
             for mid, qid, by, until in rows
         )
+        shown = [f"{qid} (suspended by {by or 'an operator'})" for _, qid, by, _ in rows[:50]]
+        more = [f"… and {len(rows) - len(shown)} more"] if len(rows) > len(shown) else []
+        _audit(
+            "message_resume",
+            "message",
+            [mid for mid, *_ in rows],
+            "\n".join([f"{len(rows)} suspensions ended (their time came)", *shown, *more]),
+        )
     report.messages_resumed += len(rows)
 
 
@@ -155,7 +171,12 @@ def _end_reroutes(now: datetime, report: TimedReport) -> None:
             )
             if queue is None:
                 continue
+            text = (
+                f"queue {queue.name}: re-route by {queue.reroute_by or 'an operator'} to "
+                f"{queue.reroute_to} ended ({until_text(queue.reroute_until)})"
+            )
             reroute.end(queue, now, reason="its end time came")
+            _audit("queue_unroute", "queue", [queue.pk], text)
         report.reroutes_ended += 1
 
 

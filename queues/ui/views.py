@@ -434,7 +434,11 @@ def deferrals(request: HttpRequest) -> HttpResponse:
         entry["groups"].append(
             {
                 "group": g,
-                "query": _query({"queue": str(g.queue_id), "error_group": g.text}),
+                "query": _query(
+                    {"queue": str(g.queue_id), "status": "retry"}
+                    if g.other  # several errors merged (insight.deferrals): the queue's
+                    else {"queue": str(g.queue_id), "error_group": g.text}
+                ),
             }
         )
         entry["total"] += g.recipients
@@ -580,7 +584,7 @@ def queues_confirm(request: HttpRequest) -> HttpResponse:
             changed = spec.apply(qs, request.user, Via.UI, filter=f.as_params(), **options)
             _bulk_result(request, spec.label, changed, None, "queues")
             return HttpResponseRedirect(back)
-        preview = spec.dry_run(qs, **options)
+        preview = spec.dry_run(qs, partial=True, **options)  # the page asks for what is missing
     except ActionConflict as e:
         _conflict(request, e)
         return HttpResponseRedirect(back)

@@ -1,0 +1,95 @@
+"""Tracking never costs mail: a tracking row that cannot be written leaves the
+delivery it describes recorded (else the message would be sent again), and a
+round that lost its claim does not report its recipients' fate."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+from django.db import connection
+
+from queues.models import Attempt, Message, Recipient, RecipientState
+from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from tests.support.pipeline import drain
+from tracking import events, hooks, record
+from tracking.models import TrackingEvent
+
+pytestmark = pytest.mark.django_db
+
+BODY = b"From: a@example.org\r\nMessage-ID: <s1@example.org>\r\nSubject: t\r\n\r\nhi\r\n"
+
+
+@pytest.fixture
+def relay(dns_settings, settings, smtp_port):
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
+    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=5)
+    dns_settings.a("example.net", "127.0.0.2")
+    return dns_settings
+
+
+def test_a_tracking_insert_that_fails_in_the_database_leaves_the_delivery_recorded(
+    relay, sink_factory, monkeypatch
+):
+    sink = sink_factory("127.0.0.2")
+    message = message_accept(
+        IncomingEnvelope(
+            mail_from="a@example.org", recipients=[IncomingRecipient("b@example.net")]
+        ),
+        BODY,
+    )
+    real_insert = record.insert
+
+    def failing_insert(rows):
+        if any(r.event == events.DELIVERED for r in rows):
+            with connection.cursor() as cur:
+                cur.execute("SELECT 1 / 0")  # a real error, in the round's transaction
+        real_insert(rows)
+
+    monkeypatch.setattr(record, "insert", failing_insert)
+    drain()
+    recipient = Recipient.objects.get(message_id=message.pk)
+    assert recipient.state == RecipientState.DELIVERED
+    assert Message.objects.get(pk=message.pk).state == "done"
+    assert Attempt.objects.filter(recipient=recipient, outcome="delivered").count() == 1
+    assert len(sink.messages) == 1  # sent once: nothing to send again
+    kinds = set(TrackingEvent.objects.filter(qid=message.qid).values_list("event", flat=True))
+    assert kinds == {"received", "routed"}  # the delivered row is the one lost
+
+
+def _attempt(outcome: str, recipient_id: int = 7) -> Attempt:
+    return Attempt(
+        recipient_id=recipient_id,
+        message_id=1,
+        started_at=None,
+        host="mx.example.net",
+        phase="rcpt",
+        code=550 if outcome == "failed" else 250,
+        enhanced="5.1.1" if outcome == "failed" else "2.0.0",
+        text="no such user" if outcome == "failed" else "ok",
+        outcome=outcome,
+    )
+
+
+@pytest.mark.parametrize(
+    ("owned", "expected"),
+    [(None, events.FAILED), ({7}, events.FAILED), (set(), events.DEFERRED)],
+)
+def test_a_round_that_lost_its_claim_reports_no_failure(owned, expected, monkeypatch):
+    written: list = []
+    monkeypatch.setattr(hooks, "write", written.extend)
+    from queues import clock
+
+    row = SimpleNamespace(state=RecipientState.FAILED, address="b@example.net")
+    hooks.attempted(
+        [_attempt("failed")],
+        {7: row},
+        SimpleNamespace(name="example.net"),
+        clock.now(),
+        {1: ("QID1", "a@example.org", "<s1@example.org>")},
+        owned=owned,
+    )
+    assert [r.event for r in written] == [expected]
+    assert written[0].recipient == "b@example.net"
