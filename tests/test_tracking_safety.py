@@ -93,3 +93,30 @@ def test_a_round_that_lost_its_claim_reports_no_failure(owned, expected, monkeyp
     )
     assert [r.event for r in written] == [expected]
     assert written[0].recipient == "b@example.net"
+
+
+def test_a_bulk_action_by_filter_is_tracked_on_the_messages_it_changed(relay, sink_factory):
+    from queues.services import actions
+    from tests.support.operator_factories import make_user
+
+    sink_factory("127.0.0.2", rcpt_tempfail={"slow@example.net": 100})
+    waiting, in_flight = (
+        message_accept(
+            IncomingEnvelope(mail_from="a@example.org", recipients=[IncomingRecipient(r)]),
+            BODY,
+        )
+        for r in ("slow@example.net", "slow@example.net")
+    )
+    drain()
+    # The second one is held by a delivery round now: a remove skips it.
+    Recipient.objects.filter(message_id=in_flight.pk).update(
+        state=RecipientState.ACTIVE, lease_owner="round-1"
+    )
+    operator = make_user("operator", "olga")
+    changed = actions.messages_apply(
+        "remove", Message.objects.all(), operator, "api", filter={"status": "retry"}
+    )
+    assert changed == 1
+    rows = TrackingEvent.objects.filter(event="operator")
+    assert list(rows.values_list("qid", flat=True)) == [waiting.qid]
+    assert rows.get().detail["action"] == "message_remove"

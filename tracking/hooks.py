@@ -246,7 +246,8 @@ CHUNK = 2000
 
 
 def on_audit(sender: object, instance: AuditEntry, created: bool, **kwargs: object) -> None:
-    """An operator action: one row per message (or queue, link) it names, else one row."""
+    """An operator action: one row per message (or queue, link) it changed or
+    names, else one row."""
     if not created or instance.target_type not in OPERATOR_TARGETS:
         return
     entry = instance
@@ -256,7 +257,9 @@ def on_audit(sender: object, instance: AuditEntry, created: bool, **kwargs: obje
     if entry.filter:
         detail["filter"] = entry.filter
     common = {"actor": entry.actor_name, "detail": detail}
-    ids = list(entry.target_ids or [])
+    # The rows it changed when the action said (a bulk action by filter, or ids
+    # of which some were skipped), else the ids it was given.
+    ids = list(getattr(entry, "changed_ids", None) or entry.target_ids or [])
     if not ids:
         write([new(events.OPERATOR, entry.created_at, **common)])
         return

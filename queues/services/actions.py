@@ -146,8 +146,12 @@ def _audit(
     filter: Mapping[str, Any] | None = None,
     count: int = 0,
     detail: str = "",
+    changed: Sequence[int] | None = None,
 ) -> AuditEntry:
-    return AuditEntry.objects.create(
+    """The audit entry (``ids``: what the operator named). ``changed``: the rows the
+    action really changed, when it knows them; the message tracking log records
+    the action on those (tracking.hooks.on_audit), not on what was only named."""
+    entry = AuditEntry(
         created_at=clock.now(),
         actor=None if isinstance(actor, str) else actor,
         actor_name=actor_name(actor)[:150],
@@ -159,6 +163,10 @@ def _audit(
         count=count,
         detail=detail,
     )
+    if changed is not None:
+        entry.changed_ids = list(changed)  # read by the post_save hook
+    entry.save()
+    return entry
 
 
 def _after_commit_categorizer() -> None:
@@ -604,6 +612,7 @@ def queues_apply(
     """
     action = QueueAction(action).value
     changed = 0
+    changed_ids: list[int] = []
     messages = 0
     lines: list[str] = []
     with transaction.atomic():
@@ -622,6 +631,7 @@ def queues_apply(
             except ActionConflict:  # changed between the selection and its lock
                 continue
             changed += 1
+            changed_ids.append(queue.pk)
             if len(lines) < AUDIT_ROWS:
                 after = queue_state(Queue.objects.select_related("link").get(pk=queue.pk))
                 lines.append(f"{queue.name}: {_before_after(before, after)}")
@@ -636,6 +646,7 @@ def queues_apply(
             filter=filter,
             count=changed,
             detail="\n".join([f"{messages} messages", *lines]),
+            changed=changed_ids,
         )
     return changed
 
@@ -1191,6 +1202,7 @@ def messages_apply(
             detail = _before_after("waiting in a queue, or a dead letter", "in Submission, due now")
         else:
             removed = _remove(message_ids, now, actor, ndr)
+            message_ids = list(removed)
             count = len(removed)
             failed = sum(len(r) for r in removed.values())
             detail = _remove_detail(
@@ -1205,6 +1217,7 @@ def messages_apply(
             filter=filter,
             count=count,
             detail=detail,
+            changed=message_ids,
         )
     return count
 
