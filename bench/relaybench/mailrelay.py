@@ -24,6 +24,7 @@ database directly with psycopg.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -103,6 +104,7 @@ class Mailrelay:
         sink_port: int,
         worker_concurrency: int,
         beat: bool,
+        workers: str = "make-run",
     ) -> None:
         self.repo = repo
         self.procs = procs
@@ -113,6 +115,10 @@ class Mailrelay:
         self.beat = beat
         self.smtp: subprocess.Popen[bytes] | None = None
         self.worker: subprocess.Popen[bytes] | None = None
+        # "make-run": the workers `make run` starts (runall's commands, its
+        # defaults); "single": one prefork worker on every queue (--worker-concurrency).
+        self.workers_mode = workers
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.beat_proc: subprocess.Popen[bytes] | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self.python = Path(sys.executable)
@@ -188,26 +194,26 @@ class Mailrelay:
         )
         celery = str(self.bindir / "celery")
         worker_log = logs / "worker.log"
-        self.worker = self.procs.spawn(
-            "celery worker",
-            [
-                celery,
-                "-A",
-                "mailrelay",
-                "worker",
-                "--loglevel",
-                "INFO",
-                "--concurrency",
-                str(self.worker_concurrency),
-                "-n",
-                "bench@%h",
-            ],
-            cwd=self.repo,
-            env=self.env,
-            grace=20,
-            stdout=worker_log,
-            stderr=subprocess.STDOUT,
-        )
+        if self.workers_mode == "make-run":
+            commands = self.make_run_workers()
+        else:
+            commands = {
+                "worker": [
+                    *(celery, "-A", "mailrelay", "worker", "--loglevel", "INFO"),
+                    *("--concurrency", str(self.worker_concurrency), "-n", "bench@%h"),
+                ]
+            }
+        for name, cmd in commands.items():
+            self.workers[name] = self.procs.spawn(
+                f"celery {name}",
+                cmd,
+                cwd=self.repo,
+                env=self.env,
+                grace=20,
+                stdout=worker_log,
+                stderr=subprocess.STDOUT,
+            )
+        self.worker = next(iter(self.workers.values()))
         if self.beat:
             self.beat_proc = self.procs.spawn(
                 "celery beat",
@@ -229,11 +235,12 @@ class Mailrelay:
             )
         wait_port(self.port, 60, self.smtp)
         deadline = time.monotonic() + 60
-        while b" ready." not in worker_log.read_bytes():
-            if self.worker.poll() is not None:
-                raise RuntimeError(
-                    f"the celery worker exited with {self.worker.returncode}; see {worker_log}"
-                )
+        while worker_log.read_bytes().count(b" ready.") < len(self.workers):
+            for name, proc in self.workers.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"celery {name} exited with {proc.returncode}; see {worker_log}"
+                    )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the celery worker is not ready after 60 s; see {worker_log}")
             time.sleep(0.1)
@@ -250,13 +257,14 @@ class Mailrelay:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        for proc in (self.beat_proc, self.worker, self.smtp):
+        for proc in (self.beat_proc, *self.workers.values(), self.smtp):
             if proc is not None:
                 self.procs.stop(proc)
 
     def alive(self) -> list[str]:
         dead = []
-        for name, proc in (("runsmtp", self.smtp), ("celery worker", self.worker)):
+        named = [("runsmtp", self.smtp), *((f"celery {n}", p) for n, p in self.workers.items())]
+        for name, proc in named:
             if proc is None or proc.poll() is not None:
                 dead.append(name)
         return dead
@@ -354,11 +362,11 @@ class Mailrelay:
     def labels(self, postmaster: psutil.Process | None) -> dict[int, str]:
         out: dict[int, str] = {}
         out.update(process_group_labels(self.smtp.pid if self.smtp else None, "mailrelay:runsmtp"))
-        if self.worker is not None:
-            out[self.worker.pid] = "mailrelay:celery worker (main)"
+        for name, proc in self.workers.items():
+            out[proc.pid] = f"mailrelay:celery {name} (main)"
             try:
-                for child in psutil.Process(self.worker.pid).children(recursive=True):
-                    out[child.pid] = "mailrelay:celery worker (pool children)"
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    out[child.pid] = f"mailrelay:celery {name} (pool children)"
             except psutil.Error:
                 pass
         out.update(
@@ -368,6 +376,23 @@ class Mailrelay:
         )
         out.update(postgres_labels(postmaster, DB_NAME, "mailrelay"))
         return out
+
+    def make_run_workers(self) -> dict[str, list[str]]:
+        """The celery workers exactly as `make run` starts them (runall's own
+        commands, with this environment's settings)."""
+        code = (
+            "import json; from delivery.management.commands.runall import Command; "
+            "print(json.dumps({k: v for k, v in Command()._commands().items() "
+            "if k.startswith('worker-')}))"
+        )
+        out = subprocess.run(
+            [str(self.python), "manage.py", "shell", "-c", code],
+            cwd=self.repo,
+            env=self.env,
+            capture_output=True,
+            check=True,
+        )
+        return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
     def pids(self) -> dict[str, int]:
         out = {}
