@@ -54,7 +54,9 @@ class AnyOf(Lookup):
         if connection.vendor != "postgresql":
             return In(self.lhs, list(self.rhs)).as_sql(compiler, connection)
         lhs, params = self.process_lhs(compiler, connection)
-        cast = self.lhs.output_field.cast_db_type(connection)
+        # The base type without its length: an explicit cast to varchar(n)
+        # truncates, and a longer value would then match another row.
+        cast = self.lhs.output_field.cast_db_type(connection).partition("(")[0]
         return f"{lhs} = ANY(%s::{cast}[])", [*params, list(self.rhs)]
 
 

@@ -194,3 +194,52 @@ def test_over_smtp_the_failing_message_gets_451_and_the_others_250(
     assert codes == [250, 250, 451, 250, 250]
     assert batches == [1, 5]
     assert stored_addresses() == {"first@example.net"} | (set(rcpts) - {POISON})
+
+
+def test_a_batch_stays_within_postgresql_s_parameter_limit(caplog):
+    """Four messages of 1000 recipients (the default MAILRELAY_MAX_RECIPIENTS) do
+    not fit one statement (65535 parameters): the committer makes batches that
+    do, instead of one that fails and four stored one by one."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def store_batch(batch):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(10)
+        return messages_accept(batch)
+
+    big = [
+        IncomingEnvelope(
+            "sender@example.org", [IncomingRecipient(f"r{i}-{n}@example.net") for n in range(1000)]
+        )
+        for i in range(5)
+    ]
+    committer = GroupCommitter(1, store_batch=store_batch)
+    try:
+        first = committer.submit(big[0], BODY)
+        assert entered.wait(10)
+        rest = [committer.submit(env, BODY) for env in big[1:]]
+        release.set()
+        assert all(isinstance(f.result(30), Message) for f in [first, *rest])
+    finally:
+        committer.shutdown()
+    assert calls == [1, 2, 2]
+    assert "storing them one by one" not in caplog.text
+    assert Recipient.objects.count() == 5000
+
+
+def test_an_error_after_the_batch_committed_answers_its_messages_stored(monkeypatch):
+    """Not only a lost connection: any error once the statement committed leaves
+    the messages stored; they are found by queue id, not refused and stored again."""
+    original = accept.insert_many_with_children
+
+    def commit_then_fail(*args, **kwargs):
+        original(*args, **kwargs)
+        raise KeyError("a bug after the INSERT returned")
+
+    monkeypatch.setattr(accept, "insert_many_with_children", commit_then_fail)
+    results = messages_accept([(envelope(f"r{i}@example.net"), BODY) for i in range(3)])
+    assert all(isinstance(r, Message) for r in results)
+    assert Message.objects.count() == 3

@@ -37,6 +37,21 @@ DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # a batch holds at most this much message d
 RELEASE_CONNECTION_ABOVE = 8 * 1024 * 1024
 
 Job = tuple[concurrent.futures.Future, Any, Any]  # (future, envelope, data)
+
+# PostgreSQL takes at most 65535 parameters in one statement; a batch's INSERT
+# (queues.bulk.insert_many_with_children) sends one per column of each message
+# and of each recipient. Kept under that with room: a batch of four messages of
+# 1000 recipients each is two statements, not a failed one and four retries.
+MAX_STATEMENT_PARAMS = 60_000
+PARAMS_PER_MESSAGE = 40  # message columns (31 today) with room
+PARAMS_PER_RECIPIENT = 24  # recipient columns (19 today) with room
+
+
+def _params(job: Job) -> int:
+    recipients = getattr(job[1], "recipients", ())
+    return PARAMS_PER_MESSAGE + PARAMS_PER_RECIPIENT * len(recipients)
+
+
 StoreBatch = Callable[[Sequence[tuple[Any, Any]]], list[Any]]
 
 
@@ -81,9 +96,12 @@ class GroupCommitter:
         self._jobs.put((future, envelope, data))
         return future
 
-    def _take_batch(self, first: Job) -> list[Job]:
+    def _take_batch(self, first: Job) -> tuple[list[Job], Job | None]:
+        """The batch that starts with ``first``, and the job taken that did not
+        fit in its statement (it starts this thread's next batch)."""
         batch = [first]
         size = len(first[2])
+        params = _params(first)
         while len(batch) < self.max_batch and size < self.max_bytes:
             try:
                 job = self._jobs.get_nowait()
@@ -92,19 +110,22 @@ class GroupCommitter:
             if job is None:
                 self._jobs.put(None)  # shutting down: this thread stops after the batch
                 break
+            if params + _params(job) > MAX_STATEMENT_PARAMS:
+                return batch, job
             batch.append(job)
             size += len(job[2])
-        return batch
+            params += _params(job)
+        return batch, None
 
     def _work(self) -> None:
         try:
-            while (first := self._jobs.get()) is not None:
-                batch = [
-                    job for job in self._take_batch(first) if job[0].set_running_or_notify_cancel()
-                ]
+            carried: Job | None = None
+            while (first := carried or self._jobs.get()) is not None:
+                taken, carried = self._take_batch(first)
+                batch = [job for job in taken if job[0].set_running_or_notify_cancel()]
                 if batch:
                     self._commit(batch)
-                del first, batch  # an idle thread keeps no message body alive
+                del first, taken, batch  # an idle thread keeps no message body alive
         finally:
             connections.close_all()
 

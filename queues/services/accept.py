@@ -274,10 +274,12 @@ def messages_accept(
         log.warning(
             "a group commit of %d messages failed (%s); storing them one by one", len(ready), exc
         )
-        stored: dict[str, Message] = {}
+        # Whatever failed, the statement may have committed before it (a lost
+        # connection, or an error after the INSERT returned): look the queue ids
+        # up first, so no committed message gets 451 and is stored twice.
         if isinstance(exc, (OperationalError, InterfaceError)):
             _close_quietly()
-            stored = _already_stored([p.message.qid for _i, p in ready])
+        stored = _already_stored([p.message.qid for _i, p in ready])
         for index, prepared in ready:
             found = stored.get(prepared.message.qid)
             results[index] = found if found is not None else _try_one(prepared)

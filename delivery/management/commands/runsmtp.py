@@ -70,7 +70,8 @@ def default_processes() -> int:
 
 def share(total: int, processes: int) -> int:
     """One process's share of a limit (0 = no limit stays 0): rounded down, so the
-    processes together never pass the total, but at least 1."""
+    processes together never pass the total — except a limit below the number of
+    processes, which gives each process 1."""
     return max(1, total // processes) if total > 0 else 0
 
 
@@ -162,7 +163,12 @@ class Command(BaseCommand):
             config = dataclasses.replace(
                 config,
                 max_connections=share(config.max_connections, child_of),
-                max_connections_per_client=share(config.max_connections_per_client, child_of),
+                # One client's connections land on the processes at random (the
+                # kernel's SO_REUSEPORT hash): a share per process would refuse a
+                # client below its limit. Each process keeps the whole per-client
+                # limit (the total above still holds). AUTH failures count per
+                # process, so each gets its share: a guesser gets no more tries.
+                max_auth_failures=share(config.max_auth_failures, child_of),
             )
             if settings.MAILRELAY_NODE_NAME:  # the default (hostname:pid) is unique already
                 bp_config = dataclasses.replace(bp_config, node=f"{bp_config.node}/{child}")
