@@ -304,6 +304,9 @@ MAILRELAY_CATEGORIZER_BATCH = env_int("MAILRELAY_CATEGORIZER_BATCH", 500)
 MAILRELAY_DELIVERY_LEASE = env_duration("MAILRELAY_DELIVERY_LEASE", "30s")
 # A delivery round claims at most this many bytes of messages (at least one message).
 MAILRELAY_DELIVERY_ROUND_BYTES = env_size("MAILRELAY_DELIVERY_ROUND_BYTES", "100MB")
+# Between two rounds of a link whose last round was not full, its delivery task
+# waits this long so the next round gathers more (0: no wait; bench/README.md).
+MAILRELAY_DELIVERY_ROUND_WAIT = env_duration("MAILRELAY_DELIVERY_ROUND_WAIT", "0.05s")
 MAILRELAY_WEB_LISTEN = env_str("MAILRELAY_WEB_LISTEN", "127.0.0.1:8000")
 # Processes of the control worker (categorize, sweep) and threads of the
 # delivery worker (one per delivery task, mostly waiting on peers) that

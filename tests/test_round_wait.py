@@ -1,0 +1,103 @@
+"""MAILRELAY_DELIVERY_ROUND_WAIT: a link's delivery task lets the next round
+gather what arrives while the last one was not full (issue #14: a round costs
+the same statements for 3 messages or 40, so fewer, larger rounds cost less
+per message). The first round never waits, nor the one after a full round.
+
+Real PostgreSQL, a real sink on loopback and the loopback DNS server; only
+the wait itself is observed (``deliver._round_wait``), and what arrives
+during it is accepted and categorized for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+
+from delivery import deliver
+from delivery.categorize import categorize_pending
+from queues.models import Link, Message, MessageState
+from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+
+pytestmark = pytest.mark.django_db
+
+BODY = b"From: a@example.org\r\nTo: x\r\nSubject: round wait\r\n\r\nbody\r\n"
+
+
+@pytest.fixture
+def relay(dns_settings, settings, smtp_port, sink_factory):
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
+    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=5)
+    dns_settings.a("example.net", "127.0.0.2")
+    return sink_factory("127.0.0.2")
+
+
+def arrive(n: int, tag: str) -> None:
+    for i in range(n):
+        message_accept(
+            IncomingEnvelope(
+                mail_from="a@example.org",
+                recipients=[IncomingRecipient(f"{tag}{i}@example.net")],
+                client_address="127.0.0.1",
+                client_helo="client.test",
+            ),
+            BODY,
+        )
+    while categorize_pending():
+        pass
+
+
+@pytest.fixture
+def waits(monkeypatch) -> Callable[[Callable[[], None] | None], list[float]]:
+    """Record the task's waits; ``during`` runs in the first one (mail arriving meanwhile)."""
+
+    def install(during: Callable[[], None] | None = None) -> list[float]:
+        seen: list[float] = []
+
+        def sleep(seconds: float) -> None:
+            seen.append(seconds)
+            if during is not None and len(seen) == 1:
+                during()
+
+        monkeypatch.setattr(deliver, "_round_wait", sleep)
+        return seen
+
+    return install
+
+
+def link_id() -> int:
+    return Link.objects.get().pk
+
+
+def test_what_arrives_during_the_wait_goes_in_the_same_task_s_next_round(relay, waits):
+    arrive(3, "first")
+    seen = waits(lambda: arrive(4, "later"))
+    assert deliver.deliver_link(link_id()) == 7
+    # Waited after the round of 3 (the default, 50 ms) and after the round of 4;
+    # the round after that found nothing and the task ended.
+    assert seen == [0.05, 0.05]
+    assert len(relay.messages) == 7
+    assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
+
+
+def test_no_wait_before_the_first_round_or_after_a_full_one(relay, waits, settings):
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1
+    settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION = 2  # a full round: 2 recipients
+    arrive(4, "full")
+    seen = waits()
+    assert deliver.deliver_link(link_id()) == 4  # rounds of 2 and 2, then none due
+    assert seen == []
+    arrive(3, "odd")
+    assert deliver.deliver_link(link_id()) == 3  # 2 (full, no wait), 1, then a wait
+    assert seen == [0.05]
+    assert len(relay.messages) == 7
+
+
+def test_zero_turns_the_wait_off(relay, waits, settings):
+    settings.MAILRELAY_DELIVERY_ROUND_WAIT = timedelta(0)
+    arrive(2, "now")
+    seen = waits()
+    assert deliver.deliver_link(link_id()) == 2
+    assert seen == []
