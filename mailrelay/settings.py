@@ -298,6 +298,9 @@ MAILRELAY_CATEGORIZER_RETRY_INTERVAL = env_duration("MAILRELAY_CATEGORIZER_RETRY
 MAILRELAY_COMPLETED_RETENTION = env_duration("MAILRELAY_COMPLETED_RETENTION", "1d")
 MAILRELAY_POISON_THRESHOLD = env_int("MAILRELAY_POISON_THRESHOLD", 2)
 MAILRELAY_CATEGORIZER_BATCH = env_int("MAILRELAY_CATEGORIZER_BATCH", 500)
+# Between two batches of a categorize task whose last batch was not full, the
+# task waits this long so the next batch gathers more (0: no wait; bench/README.md).
+MAILRELAY_CATEGORIZER_BATCH_WAIT = env_duration("MAILRELAY_CATEGORIZER_BATCH_WAIT", "0.05s")
 # Claims (delivery rounds, links, categorizer batches) are leases that their
 # live owner renews every third of this (delivery.ownership); a dead owner's
 # claims are taken back by the sweep's reclaim once it runs out.

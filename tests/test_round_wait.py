@@ -1,7 +1,8 @@
-"""MAILRELAY_DELIVERY_ROUND_WAIT: a link's delivery task lets the next round
-gather what arrives while the last one was not full (issue #14: a round costs
-the same statements for 3 messages or 40, so fewer, larger rounds cost less
-per message). The first round never waits, nor the one after a full round.
+"""MAILRELAY_DELIVERY_ROUND_WAIT and MAILRELAY_CATEGORIZER_BATCH_WAIT: a link's
+delivery task lets the next round gather what arrives while the last one was
+not full, and a categorize task its next batch (issue #14: a round or a batch
+costs the same statements for 3 messages or 40, so fewer, larger ones cost
+less per message). The first never waits, nor the one after a full one.
 
 Real PostgreSQL, a real sink on loopback and the loopback DNS server; only
 the wait itself is observed (``deliver._round_wait``), and what arrives
@@ -15,7 +16,7 @@ from datetime import timedelta
 
 import pytest
 
-from delivery import deliver
+from delivery import deliver, tasks
 from delivery.categorize import categorize_pending
 from queues.models import Link, Message, MessageState
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
@@ -34,7 +35,7 @@ def relay(dns_settings, settings, smtp_port, sink_factory):
     return sink_factory("127.0.0.2")
 
 
-def arrive(n: int, tag: str) -> None:
+def submit(n: int, tag: str) -> None:
     for i in range(n):
         message_accept(
             IncomingEnvelope(
@@ -45,6 +46,11 @@ def arrive(n: int, tag: str) -> None:
             ),
             BODY,
         )
+
+
+def arrive(n: int, tag: str) -> None:
+    """``n`` messages accepted and categorized: due on the link."""
+    submit(n, tag)
     while categorize_pending():
         pass
 
@@ -100,4 +106,43 @@ def test_zero_turns_the_wait_off(relay, waits, settings):
     arrive(2, "now")
     seen = waits()
     assert deliver.deliver_link(link_id()) == 2
+    assert seen == []
+
+
+# ------------------------------------------------ MAILRELAY_CATEGORIZER_BATCH_WAIT
+
+
+@pytest.fixture
+def batch_waits(monkeypatch) -> Callable[[Callable[[], None] | None], list[float]]:
+    def install(during: Callable[[], None] | None = None) -> list[float]:
+        seen: list[float] = []
+
+        def sleep(seconds: float) -> None:
+            seen.append(seconds)
+            if during is not None and len(seen) == 1:
+                during()
+
+        monkeypatch.setattr(tasks, "_batch_wait", sleep)
+        return seen
+
+    return install
+
+
+def test_the_categorizer_gathers_what_arrives_during_its_wait(relay, batch_waits):
+    submit(3, "first")
+    seen = batch_waits(lambda: submit(4, "later"))
+    assert tasks.categorize() == 7  # one task: the batch of 3, a wait, the batch of 4
+    assert seen == [0.05, 0.05]  # after each batch that was not full; then none due
+    assert Message.objects.filter(state=MessageState.QUEUED).count() == 7
+
+
+def test_the_categorizer_does_not_wait_after_a_full_batch(relay, batch_waits, settings):
+    settings.MAILRELAY_CATEGORIZER_BATCH = 2
+    submit(4, "full")
+    seen = batch_waits()
+    assert tasks.categorize() == 4  # batches of 2 and 2 (full), then none due
+    assert seen == []
+    settings.MAILRELAY_CATEGORIZER_BATCH_WAIT = timedelta(0)
+    submit(1, "off")
+    assert tasks.categorize() == 1
     assert seen == []

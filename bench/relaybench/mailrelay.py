@@ -398,6 +398,8 @@ class Mailrelay:
         out = {}
         if self.smtp is not None:
             out["runsmtp"] = self.smtp.pid
-        if self.worker is not None:
-            out["worker"] = self.worker.pid
+        # every celery worker: "worker" (--workers single) or worker-control,
+        # worker-delivery, worker-webhooks (make run's)
+        for name, proc in self.workers.items():
+            out[name] = proc.pid
         return out

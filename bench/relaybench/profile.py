@@ -1,7 +1,7 @@
 """Optional profiling of mailrelay's processes with py-spy (``--profile DIR``).
 
 ``py-spy record --format raw --nonblocking --gil --rate 100`` is attached to
-``runsmtp`` and to the Celery worker (``--subprocesses``: the pool children)
+``runsmtp`` and to every Celery worker (``--subprocesses``: the pool children)
 for the whole measured smtp-source phase. ``--gil`` keeps only samples of
 the thread holding the GIL, i.e. Python code running (a thread waiting in
 libpq or in a queue has released the GIL), so the counts are where the
@@ -62,7 +62,7 @@ def start(procs: Procs, pids: dict[str, int], out_dir: Path, rate: int = 100) ->
             "-o",
             str(out),
         ]
-        if name in ("worker", "runsmtp"):  # runsmtp --processes N: its children
+        if name == "runsmtp" or name.startswith("worker"):  # pool children, runsmtp --processes
             cmd.append("--subprocesses")
         procs.spawn(
             f"py-spy {name}",
