@@ -123,7 +123,8 @@ def _parent_row(
 
     ``db`` is the connection itself, not Django's ``connection`` proxy: the
     fields' value preparation reads it a few times per value, and each read
-    through the proxy is a thread-local lookup (a tenth of runsmtp's CPU).
+    through the proxy is a thread-local lookup (measured: 30 of the 205 us of
+    CPU that storing a message took in a batch of five).
     """
     placeholders = []
     for f in shape.parent_fields:
