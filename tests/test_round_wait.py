@@ -55,9 +55,12 @@ def arrive(n: int, tag: str) -> None:
         pass
 
 
-@pytest.fixture
-def waits(monkeypatch) -> Callable[[Callable[[], None] | None], list[float]]:
-    """Record the task's waits; ``during`` runs in the first one (mail arriving meanwhile)."""
+Install = Callable[[Callable[[], None] | None], list[float]]
+
+
+def recorder(monkeypatch, owner: object, name: str) -> Install:
+    """Replace ``owner.name`` (a wait) with one that records its waits; ``during``
+    runs in the first one (mail arriving meanwhile)."""
 
     def install(during: Callable[[], None] | None = None) -> list[float]:
         seen: list[float] = []
@@ -67,10 +70,16 @@ def waits(monkeypatch) -> Callable[[Callable[[], None] | None], list[float]]:
             if during is not None and len(seen) == 1:
                 during()
 
-        monkeypatch.setattr(deliver, "_round_wait", sleep)
+        monkeypatch.setattr(owner, name, sleep)
         return seen
 
     return install
+
+
+@pytest.fixture
+def waits(monkeypatch) -> Install:
+    """The delivery task's waits between rounds."""
+    return recorder(monkeypatch, deliver, "_round_wait")
 
 
 def link_id() -> int:
@@ -113,19 +122,9 @@ def test_zero_turns_the_wait_off(relay, waits, settings):
 
 
 @pytest.fixture
-def batch_waits(monkeypatch) -> Callable[[Callable[[], None] | None], list[float]]:
-    def install(during: Callable[[], None] | None = None) -> list[float]:
-        seen: list[float] = []
-
-        def sleep(seconds: float) -> None:
-            seen.append(seconds)
-            if during is not None and len(seen) == 1:
-                during()
-
-        monkeypatch.setattr(tasks, "_batch_wait", sleep)
-        return seen
-
-    return install
+def batch_waits(monkeypatch) -> Install:
+    """The categorize task's waits between batches."""
+    return recorder(monkeypatch, tasks, "_batch_wait")
 
 
 def test_the_categorizer_gathers_what_arrives_during_its_wait(relay, batch_waits):
