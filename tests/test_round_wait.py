@@ -5,8 +5,9 @@ costs the same statements for 3 messages or 40, so fewer, larger ones cost
 less per message). The first never waits, nor the one after a full one.
 
 Real PostgreSQL, a real sink on loopback and the loopback DNS server; only
-the wait itself is observed (``deliver._round_wait``), and what arrives
-during it is accepted and categorized for real.
+the waits themselves are observed (``deliver._round_wait``,
+``tasks._batch_wait``), and what arrives during one is accepted and
+categorized for real.
 """
 
 from __future__ import annotations
