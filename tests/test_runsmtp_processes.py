@@ -19,10 +19,10 @@ from tests.support import processes
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def start(count: int = 2) -> tuple[processes.Proc, int]:
+def start(count: int = 2, prefix: tuple[str, ...] = ()) -> tuple[processes.Proc, int]:
     proc = processes.Proc(
         "runsmtp",
-        [sys.executable, "manage.py", "runsmtp", "--processes", str(count)],
+        [*prefix, sys.executable, "manage.py", "runsmtp", "--processes", str(count)],
         processes.test_env(MAILRELAY_SMTP_LISTEN="127.0.0.1:0", MAILRELAY_HOSTNAME="relay.test"),
     )
     proc.wait_for_count("smtp: listening on 127.0.0.1:", count)
@@ -103,6 +103,18 @@ def test_the_processes_die_with_a_supervisor_killed_with_9():
         assert not alive
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2)
+    finally:
+        proc.kill()
+
+
+def test_a_supervisor_that_is_pid_1_keeps_its_children_as_in_a_container():
+    """docker-compose runs `manage.py runsmtp` as the container's pid 1: its
+    children have parent 1 from the start and must not take that for an
+    orphaned child. A new pid namespace (unshare, as root) makes it pid 1 here."""
+    proc, port = start(2, prefix=("unshare", "--fork", "--pid", "--kill-child"))
+    try:
+        assert send(port, "under pid 1") == 250
+        assert not any("supervising runsmtp is gone" in line for line in proc.lines)
     finally:
         proc.kill()
 

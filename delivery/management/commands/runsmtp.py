@@ -5,9 +5,10 @@ cores) and N > 1, this process only supervises: it starts N children that
 each run the whole server on the same ports (SO_REUSEPORT: the kernel spreads
 new connections over them), restarts a child that dies (1 s, doubling to
 30 s), and on SIGTERM/SIGINT stops them gracefully and waits for them. The
-limits on connections in total and per client are divided between the
-children (each gets its share, rounded down), so together they keep
-within the configured totals; each child is a back-pressure node of its own. Only the
+limit on connections in total and the AUTH failures allowed are divided
+between the children (each gets its share, rounded down); the per-client
+limit is whole in each child (a client's connections land on the children at
+random); each child is a back-pressure node of its own. Only the
 first child watches the pickup and replay folders. A child dies with its
 supervisor (PR_SET_PDEATHSIG): a kill -9 of runsmtp stops them all at once.
 A child killed alone takes with it the connections still waiting in its own
@@ -75,14 +76,19 @@ def share(total: int, processes: int) -> int:
     return max(1, total // processes) if total > 0 else 0
 
 
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (the supervisor) dies."""
+def die_with_parent(supervisor: int | None) -> None:
+    """Linux: SIGKILL this process when its parent (the supervisor) dies.
+
+    ``supervisor`` is the pid the supervisor gave us: a parent other than it
+    means it died before prctl (we were re-parented). Not "parent is 1": in a
+    container the supervisor itself is often pid 1.
+    """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux
         return
-    if os.getppid() == 1:  # the supervisor died before prctl: already orphaned
+    if supervisor is not None and os.getppid() != supervisor:
         raise SystemExit("smtp: the supervising runsmtp is gone")
 
 
@@ -101,7 +107,8 @@ class Command(BaseCommand):
             "--db-threads",
             type=int,
             default=DEFAULT_DB_THREADS,
-            help=f"database threads committing messages (default {DEFAULT_DB_THREADS})",
+            help=f"database threads (AUTH, account rates); up to two of them commit "
+            f"messages (default {DEFAULT_DB_THREADS})",
         )
         parser.add_argument(
             "--processes",
@@ -113,6 +120,7 @@ class Command(BaseCommand):
         # Set by the supervisor for its children only.
         parser.add_argument("--child", type=int, default=None, help="(internal) child index")
         parser.add_argument("--child-of", type=int, default=1, help="(internal) processes")
+        parser.add_argument("--supervisor", type=int, default=None, help="(internal) its pid")
         parser.add_argument("--submission-listen", default=None, help="(internal)")
         parser.add_argument("--submissions-listen", default=None, help="(internal)")
 
@@ -124,6 +132,7 @@ class Command(BaseCommand):
         processes: int | None = None,
         child: int | None = None,
         child_of: int = 1,
+        supervisor: int | None = None,
         submission_listen: str | None = None,
         submissions_listen: str | None = None,
         **options,
@@ -158,7 +167,7 @@ class Command(BaseCommand):
             return
         pickup = True
         if child is not None:
-            die_with_parent()
+            die_with_parent(supervisor)
             pickup = child == 0
             config = dataclasses.replace(
                 config,
@@ -359,6 +368,8 @@ class Command(BaseCommand):
             str(db_threads),
             "--child-of",
             str(processes),
+            "--supervisor",
+            str(os.getpid()),
         ]
 
     def _file_limit(self, max_connections: int) -> None:
