@@ -196,6 +196,24 @@ def test_over_smtp_the_failing_message_gets_451_and_the_others_250(
     assert stored_addresses() == {"first@example.net"} | (set(rcpts) - {POISON})
 
 
+def test_a_batch_that_committed_and_whose_lookup_failed_is_not_stored_twice(monkeypatch):
+    """The connection is lost after the commit and the queue-id lookup fails as
+    well: storing each message again meets its own queue id; that is the message
+    (250), not a 451 that makes the client send it a second time."""
+    original = accept.insert_many_with_children
+
+    def commit_then_lose_the_reply(*args, **kwargs):
+        original(*args, **kwargs)
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(accept, "insert_many_with_children", commit_then_lose_the_reply)
+    monkeypatch.setattr(accept, "_already_stored", lambda qids: {})
+    results = messages_accept([(envelope(f"r{i}@example.net"), BODY) for i in range(3)])
+    assert all(isinstance(r, Message) and r.pk for r in results), results
+    assert Message.objects.count() == 3
+    assert stored_addresses() == {f"r{i}@example.net" for i in range(3)}
+
+
 def test_a_batch_stays_within_postgresql_s_parameter_limit(caplog):
     """Four messages of 1000 recipients (the default MAILRELAY_MAX_RECIPIENTS) do
     not fit one statement (65535 parameters): the committer makes batches that

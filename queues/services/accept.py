@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from email.utils import format_datetime
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection
+from django.db import IntegrityError, InterfaceError, OperationalError, connection
 
 from queues import clock, dkim, domains
 from queues.bulk import insert_many_with_children, insert_with_children
@@ -215,9 +215,29 @@ def _insert_one(prepared: PreparedMessage) -> Message:
         if stored is not None:
             return stored  # committed before the connection died
         insert_with_children(message, prepared.recipients, "message", parts=prepared.parts)
+    except IntegrityError:
+        # Its queue id is taken: a group commit that failed after committing
+        # stored it (and looking it up then failed too). It is that message.
+        stored = None if connection.in_atomic_block else _stored_as(message)
+        if stored is None:
+            raise
+        log.warning("%s: already stored by a failed group commit", message.qid)
+        return stored
     if prepared.dkim_error:
         _dkim_failed(message, prepared.dkim_error)
     return message
+
+
+def _stored_as(message: Message) -> Message | None:
+    """The stored row with ``message``'s queue id, if it is this very message."""
+    stored = Message.objects.filter(qid=message.qid).defer("data").first()
+    if stored is None or (stored.size, stored.mail_from, stored.received_at) != (
+        message.size,
+        message.mail_from,
+        message.received_at,
+    ):
+        return None
+    return stored
 
 
 def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
