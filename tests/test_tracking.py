@@ -16,7 +16,7 @@ from django.test import Client
 
 from delivery.sweep import sweep
 from queues import clock
-from queues.models import Message
+from queues.models import Message, Recipient
 from queues.services import actions
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.operator_factories import make_user
@@ -136,6 +136,8 @@ def test_expiry_and_operator_actions_are_events(relay, sink_factory, settings):
     sweep()
     expired = TrackingEvent.objects.get(qid=message.qid, event="expired")
     assert expired.recipient == "slow@example.net" and "expired" in expired.reply
+    # The queue it names is the one the recipient is in now.
+    assert expired.queue == Recipient.objects.get(address="slow@example.net").queue.name
 
 
 def test_the_api_searches_and_hides_message_ids_from_viewers(relay, sink_factory):

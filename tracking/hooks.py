@@ -20,7 +20,7 @@ from collections.abc import Container, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
-from queues.models import AuditEntry, Link, Message, Queue, RecipientState
+from queues.models import AuditEntry, DeliveryType, Link, Message, Queue, RecipientState
 from tracking import events
 from tracking.record import new, write
 from tracking.remote_id import remote_queue_id
@@ -125,7 +125,9 @@ def placed(
                 code=code,
                 enhanced=error.enhanced,
                 reply=f"{code} {error.enhanced} {error.text}",
-                queue="Dead letter" if error.permanent else "Unreachable",
+                queue=(
+                    DeliveryType.DEAD_LETTER if error.permanent else DeliveryType.UNREACHABLE
+                ).label,
                 detail={"phase": "route"},
                 **common,
             )
@@ -207,7 +209,7 @@ def expired(recipients: list[Any], now: datetime, reason: str) -> None:
                 events.EXPIRED,
                 now,
                 recipient=r.address,
-                queue="Dead letter",
+                queue=DeliveryType.DEAD_LETTER.label,  # the queue's name (special_queue)
                 reply=reason,
                 **_message_fields(facts, r.message_id),
             )
