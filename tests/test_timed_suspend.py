@@ -181,3 +181,28 @@ def test_every_edge_takes_until(olga, client):
     client.post("/messages/by-filter/", params)
     held = Message.objects.get(recipients__address="x@example.net")
     assert held.suspended and held.suspended_until is not None
+
+
+def test_a_queue_whose_resume_fails_neither_blocks_the_others_nor_stops_the_sweep(
+    olga, monkeypatch, caplog
+):
+    from queues.services import actions
+
+    broken, fine = make_queue("broken.example"), make_queue("fine.example")
+    make_message("u@broken.example", queue=broken)
+    make_message("u@fine.example", queue=fine)
+    for queue in (broken, fine):
+        assert queue_suspend(queue, olga, Via.UI, until="10m") == 1
+    resume = actions.queue_core(actions.QueueAction.RESUME)
+
+    def resume_unless_broken(queue, now):
+        if queue.pk == broken.pk:
+            raise RuntimeError("a row that cannot be resumed")
+        return resume(queue, now)
+
+    monkeypatch.setattr(actions, "queue_core", lambda action: resume_unless_broken)
+    clock.advance(timedelta(minutes=11))
+    assert sweep().timed_ended == 1  # the sweep went on past the broken queue
+    assert not Queue.objects.get(pk=fine.pk).suspended
+    assert Queue.objects.get(pk=broken.pk).suspended  # rolled back, tried again next pass
+    assert f"resuming queue {broken.pk} failed" in caplog.text

@@ -14,6 +14,9 @@ transaction as the change.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -23,6 +26,8 @@ from django.utils.dateparse import parse_datetime
 from queues.models import Event, EventLevel, Message, MessageState, Queue
 from queues.services.action_errors import ActionInvalid
 from queues.units import format_duration, parse_duration
+
+log = logging.getLogger(__name__)
 
 # Messages whose suspension ends in one pass (the rest in the next one).
 RESUME_BATCH = 1000
@@ -95,7 +100,7 @@ def _resume_queues(now: datetime, report: TimedReport) -> None:
 
     due = Queue.objects.filter(suspended=True, suspended_until__lte=now)
     for queue_id in list(due.values_list("id", flat=True)):
-        with transaction.atomic():
+        with _each("resuming queue", queue_id), transaction.atomic():
             queue = (
                 due.select_for_update(skip_locked=True, of=("self",))
                 .select_related("link")
@@ -112,7 +117,7 @@ def _resume_queues(now: datetime, report: TimedReport) -> None:
             )
             _event(now, "suspend_ended", text, queue=queue).save()
             _audit("queue_resume", "queue", [queue.pk], text)
-        report.queues_resumed += 1
+            report.queues_resumed += 1
 
 
 def _resume_messages(now: datetime, report: TimedReport) -> None:
@@ -162,7 +167,7 @@ def _end_reroutes(now: datetime, report: TimedReport) -> None:
 
     due = Queue.objects.filter(reroute_until__lte=now).exclude(reroute_to="")
     for queue_id in list(due.values_list("id", flat=True)):
-        with transaction.atomic():
+        with _each("ending the re-route of queue", queue_id), transaction.atomic():
             queue = (
                 due.select_for_update(skip_locked=True, of=("self",))
                 .select_related("link")
@@ -177,7 +182,17 @@ def _end_reroutes(now: datetime, report: TimedReport) -> None:
             )
             reroute.end(queue, now, reason="its end time came")
             _audit("queue_unroute", "queue", [queue.pk], text)
-        report.reroutes_ended += 1
+            report.reroutes_ended += 1
+
+
+@contextlib.contextmanager
+def _each(what: str, pk: int) -> Iterator[None]:
+    """One queue's timed action: its failure is logged (and its transaction
+    rolled back); the other queues are still resumed."""
+    try:
+        yield
+    except Exception:
+        log.exception("timed actions: %s %s failed", what, pk)
 
 
 def end_due(now: datetime) -> TimedReport:
@@ -185,7 +200,11 @@ def end_due(now: datetime) -> TimedReport:
     and the reclaim beat run this). Three small indexed queries when nothing
     is due."""
     report = TimedReport()
-    _resume_queues(now, report)
-    _resume_messages(now, report)
-    _end_reroutes(now, report)
+    for step in (_resume_queues, _resume_messages, _end_reroutes):
+        # A row that keeps failing is logged each pass, never a stop to the
+        # sweep that calls this (expiry, purge and the rings come after it).
+        try:
+            step(now, report)
+        except Exception:
+            log.exception("timed actions: %s failed", step.__name__.strip("_"))
     return report
