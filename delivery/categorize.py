@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -217,6 +218,7 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     """
     owner = owner or worker_id()
     limit = limit or settings.MAILRELAY_CATEGORIZER_BATCH
+    acquired_at = time.monotonic()  # the claim's lease runs from its request
     claimed = claim_counted(owner, limit)
     if not claimed:
         return 0
@@ -227,7 +229,11 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
         park_poison(sorted(poisoned))
         ids = [i for i in ids if i not in poisoned]
     links: set[int] = set()
-    claim = Claim(f"categorizer {owner}", lambda until: Message.objects.renew(owner, until) > 0)
+    claim = Claim(
+        f"categorizer {owner}",
+        lambda until: Message.objects.renew(owner, until) > 0,
+        acquired_at=acquired_at,
+    )
     try:
         # A database restart is waited out while the claim holds (not a crash).
         links = while_connected(claim, lambda: _process(ids, owner, claim))

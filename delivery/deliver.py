@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -152,13 +152,17 @@ def _exchange(
 ) -> BatchResult:
     """Run the SMTP exchange of one round in an event-loop thread of its own,
     while this thread (the owner, holding the database connection) renews the
-    claim and reads each body when the client is about to send it.
+    claim, reads each body when the client is about to send it, and records
+    each finished message.
 
     However long the peers take, the claim stays renewed while this process
-    lives; the client stops before its next message once the claim is lost.
-    The results of finished messages are handed to ``record_early`` every
-    EARLY_RECORD_SECONDS (or EARLY_RECORD_RESULTS), so a process killed in the
-    middle of a round re-sends only what it had not recorded yet.
+    lives; the client starts nothing more once the claim is no longer held
+    (``Claim.held``: within the lease less its margin since the last renewal).
+    A finished message's results are committed (``record_early``) before its
+    connection starts the next transaction: results that arrive while one
+    commit runs go together in the next (group commit across connections), so
+    a process killed in the middle of a round re-sends at most the message in
+    flight on each open connection.
     """
     requests: queue.SimpleQueue = queue.SimpleQueue()  # body requests, sent results, None
     outcome: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
@@ -168,8 +172,10 @@ def _exchange(
         requests.put((message.id, future))
         return await asyncio.wrap_future(future)
 
-    def on_sent(results: list[RecipientResult]) -> None:
-        requests.put(("sent", results))
+    def on_sent(results: list[RecipientResult]) -> asyncio.Future:
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        requests.put(("sent", results, future))
+        return asyncio.wrap_future(future)
 
     def run() -> None:
         try:
@@ -190,36 +196,44 @@ def _exchange(
         finally:
             requests.put(None)
 
-    sent: list[RecipientResult] = []
-    sent_since = 0.0
-
-    def flush() -> None:
-        nonlocal sent
-        if sent and record_early is not None:
-            record_early(sent)
-            sent = []
+    def record(first: tuple) -> list:
+        """Commit ``first`` and every other result already waiting, in one go;
+        returns the other requests taken meanwhile, in order."""
+        sent, futures, others = list(first[1]), [first[2]], []
+        while True:
+            try:
+                item = requests.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[0] == "sent":
+                sent.extend(item[1])
+                futures.append(item[2])
+            else:
+                others.append(item)
+        try:
+            if record_early is not None:
+                record_early(sent)
+        finally:
+            for future in futures:
+                future.set_result(None)  # the connections go on
+        return others
 
     loop_thread = threading.Thread(target=run, name="smtp-round", daemon=True)
     loop_thread.start()
+    backlog: deque = deque()
     while True:
-        wait = claim.seconds_to_renewal()
-        if sent:
-            wait = min(wait, sent_since + EARLY_RECORD_SECONDS - time.monotonic())
-        try:
-            item = requests.get(timeout=max(0.01, wait))
-        except queue.Empty:
-            claim.renew_if_due()
-            if sent and time.monotonic() - sent_since >= EARLY_RECORD_SECONDS:
-                flush()
-            continue
+        if backlog:
+            item = backlog.popleft()
+        else:
+            try:
+                item = requests.get(timeout=max(0.01, claim.seconds_to_renewal()))
+            except queue.Empty:
+                claim.renew_if_due()
+                continue
         if item is None:
             break
         if item[0] == "sent":
-            if not sent:
-                sent_since = time.monotonic()
-            sent.extend(item[1])
-            if len(sent) >= EARLY_RECORD_RESULTS:
-                flush()
+            backlog.extend(record(item))
             claim.renew_if_due()
             continue
         message_id, future = item
@@ -232,10 +246,9 @@ def _exchange(
     return outcome.result()
 
 
-# A round records its finished messages this often (and every so many results)
-# while it goes on, so a crash costs a second copy of only what was not recorded.
-EARLY_RECORD_SECONDS = 0.25
-EARLY_RECORD_RESULTS = 50
+# Each finished message is recorded before its connection goes on (tests that
+# count one round's statements turn it off: the early records' number is timing).
+RECORD_EACH_MESSAGE = True
 
 
 def _unattempted(
@@ -676,7 +689,9 @@ def _deliver_round(
                 messages,
                 planned,
                 claim,
-                lambda done: _record_early(link, done, owner, claim),
+                (lambda done: _record_early(link, done, owner, claim))
+                if RECORD_EACH_MESSAGE
+                else None,
             )
             _report_tls(batch)
             if shaped is not None:
@@ -800,9 +815,12 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
     config = ClientConfig.from_settings()
     gather = settings.MAILRELAY_DELIVERY_ROUND_WAIT.total_seconds()
     full_round = config.max_connections * config.max_messages_per_connection
-    while link_acquire(link_id, holder.owner):
+    while True:
+        acquired_at = time.monotonic()  # the link's lease runs from this request
+        if not link_acquire(link_id, holder.owner):
+            break
         before = handled
-        claim = Claim(f"link {link_id}", holder.renew)
+        claim = Claim(f"link {link_id}", holder.renew, acquired_at=acquired_at)
         try:
             count = 0
             while claim.held():

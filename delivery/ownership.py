@@ -13,9 +13,20 @@ bodies, see ``delivery.deliver``). So:
   renewing, its leases run out, and the sweep's reclaim hands the rows on
   within one lease and one reclaim interval;
 - a live owner is never robbed by a timer, however long its work takes;
-- an owner that could not renew for a whole lease, or found its rows taken,
-  knows it (``Claim.held()`` turns False): it stops before its next message,
-  and its writes are fenced by its owner token anyway.
+- a claim is a lease in time, not a belief: ``Claim.held()`` is True only
+  while the monotonic time since the *start* of the last successful renewal
+  is below the lease less a safety margin (``MAILRELAY_DELIVERY_LEASE_MARGIN``,
+  for clock drift between hosts and the time a send takes). A frozen
+  (SIGSTOP, VM pause) or cut-off owner therefore stops by itself — before
+  MAIL FROM and before the final dot — without waiting to hear that it lost,
+  and before anyone else may take its rows over (the sweep takes them back
+  only once the lease in the database has run out). A renewal that fails or
+  is slow counts the same as a lost one. This is the fencing rule of lease
+  systems (Chubby's lease with a local timeout that starts before the
+  request; etcd leases; Kafka's zombie fencing): the holder's own clock ends
+  its lease no later than everyone else's;
+- an owner that found its rows taken knows it at once; its writes are fenced
+  by its owner token anyway.
 
 Renewal runs on the owner's own connection, so ownership is tied to the
 process that does the work; after a database error the connection is
@@ -48,20 +59,52 @@ def renewal_interval(lease: timedelta) -> float:
     return max(0.05, lease.total_seconds() / 3)
 
 
-class Claim:
-    """One owner's hold on some rows, renewed by the owner while it works."""
+def valid_for(lease: timedelta, margin: timedelta | None = None) -> float:
+    """How long after the start of a successful renewal the owner may still act:
+    the lease less the safety margin (at most a third of the lease, so that short
+    leases in tests keep two renewals' worth of validity)."""
+    if margin is None:
+        margin = settings.MAILRELAY_DELIVERY_LEASE_MARGIN
+    seconds = lease.total_seconds()
+    return seconds - min(margin.total_seconds(), seconds / 3)
 
-    def __init__(self, name: str, renew: Renew, lease: timedelta | None = None) -> None:
+
+class Claim:
+    """One owner's hold on some rows, renewed by the owner while it works.
+
+    ``acquired_at``: the monotonic time at which the request that took the
+    rows was sent (their lease runs from then); default now. ``monotonic``:
+    the clock (tests move it)."""
+
+    def __init__(
+        self,
+        name: str,
+        renew: Renew,
+        lease: timedelta | None = None,
+        *,
+        acquired_at: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name
         self._renew = renew
+        self._monotonic = monotonic
         self.lease = lease or settings.MAILRELAY_DELIVERY_LEASE
         self.interval = renewal_interval(self.lease)
-        self.renewed_at = time.monotonic()
+        self.valid_for = valid_for(self.lease)
+        self.renewed_at = monotonic() if acquired_at is None else acquired_at
         self._lost = threading.Event()
 
     def held(self) -> bool:
-        """Cheap and thread-safe, for the hot loop: False once the claim is lost."""
-        return not self._lost.is_set()
+        """Cheap and thread-safe, for the hot loop: False once the claim is lost,
+        or once the time since the start of its last successful renewal reached
+        the lease less the margin (then it stays lost)."""
+        if self._lost.is_set():
+            return False
+        age = self._monotonic() - self.renewed_at
+        if age >= self.valid_for:
+            self.lose(f"not renewed for {age:.1f}s (valid for {self.valid_for:.1f}s)")
+            return False
+        return True
 
     def lose(self, why: str) -> None:
         if not self._lost.is_set():
@@ -69,7 +112,7 @@ class Claim:
             self._lost.set()
 
     def seconds_to_renewal(self) -> float:
-        return max(0.0, self.renewed_at + self.interval - time.monotonic())
+        return max(0.0, self.renewed_at + self.interval - self._monotonic())
 
     def renew_if_due(self) -> None:
         """Renew when a third of the lease has passed since the last renewal."""
@@ -77,18 +120,20 @@ class Claim:
             self.renew()
 
     def renew(self) -> None:
+        """Extend the lease. Its validity counts from the start of this request:
+        a renewal that took long bought less time, one that failed bought none."""
+        started = self._monotonic()
         try:
             still = self._renew(clock.now() + self.lease)
         except Exception as exc:  # noqa: BLE001 - the database may be restarting
             log.warning("could not renew the claim %s: %s", self.name, exc)
             drop_connection()
-            if time.monotonic() - self.renewed_at >= self.lease.total_seconds():
-                self.lose(f"not renewed for {self.lease}")
+            self.held()  # loses it once the validity has run out
             return
-        if still:
-            self.renewed_at = time.monotonic()
-        else:
+        if not still:
             self.lose("its rows were taken back")
+        elif not self._lost.is_set():
+            self.renewed_at = started
 
 
 def drop_connection() -> None:

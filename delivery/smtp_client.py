@@ -17,8 +17,10 @@ It must also survive hostile peers: a reply is capped (``MAX_REPLY_LINES``,
 protocol failure that closes the connection, so a peer can cost a worker a
 bounded amount of memory only. Bodies can be read just in time
 (``deliver(load_body=...)``) so a round holds at most one per connection,
-and a round that lost its recipients (``still_owner()``) stops before its
-next message.
+and a round that lost its recipients (``still_owner()``) starts nothing more:
+it is asked before each connection, before each MAIL FROM and before each
+final dot (a transaction abandoned after 354 is closed without the dot, so
+the next hop has nothing to deliver).
 
 The client never raises for network problems: every exception becomes a
 ``RecipientResult`` (see ``delivery.classify`` for how replies are judged).
@@ -281,6 +283,11 @@ class _Reply(NamedTuple):
         return " ".join([self.lines[0], *(c.strip_enhanced(x) for x in self.lines[1:])])
 
 
+class _ClaimLost(Exception):
+    """The round lost its recipients in the middle of a transaction: the
+    connection is dropped without the final dot and nothing is recorded."""
+
+
 class _SessionFailed(Exception):
     """The session cannot go on: no reply (lost, timeout, protocol error) or a 421."""
 
@@ -476,6 +483,9 @@ class _Connection:
         # A transaction was left open (MAIL accepted, never finished by DATA).
         self.need_rset = False
         self.waiting_for = "greeting"
+        # Asked before MAIL FROM and before the final dot: False once the round
+        # lost its recipients (then nothing more goes on the wire).
+        self.may_send: Callable[[], bool] = lambda: True
 
     # Reading and writing --------------------------------------------------------
 
@@ -741,6 +751,8 @@ class _Connection:
                 await self._send_body(data if accepted else None)
                 del data  # the final reply may take minutes: hold no body while waiting
                 reply = await self.reply(END_OF_DATA)
+        except _ClaimLost:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise self.lost(exc, c.SESSION, self.config.data_timeout) from exc
         self._end_transaction(reply, accepted, rec)
@@ -768,6 +780,8 @@ class _Connection:
     ) -> tuple[_Reply | None, list[OutboundRecipient]]:
         """MAIL, RCPT and DATA, all within one command timeout. Returns the
         reply to DATA (None when DATA was not sent) and the recipients accepted."""
+        if not self.may_send():
+            raise _ClaimLost("before MAIL FROM")
         self.waiting_for = "MAIL FROM"
         try:
             async with asyncio.timeout(self.config.command_timeout):
@@ -858,6 +872,8 @@ class _Connection:
                 for start in range(0, len(view), WRITE_CHUNK):
                     self.writer.write(view[start : start + WRITE_CHUNK])
                     await self.writer.drain()
+        if not self.may_send():
+            raise _ClaimLost("before the final dot")
         self.writer.write(END_MARK)
         await self.writer.drain()
 
@@ -918,7 +934,9 @@ class _TargetState:
 
 StillOwner = Callable[[], bool]
 LoadBody = Callable[[OutboundMessage], Awaitable[bytes]]
-OnSent = Callable[[list[RecipientResult]], None]
+# Called with a finished message's results; what it returns (when not None) is
+# awaited before the same connection starts its next transaction.
+OnSent = Callable[[list[RecipientResult]], Awaitable[object] | None]
 
 
 class _Batch:
@@ -1168,8 +1186,17 @@ class _Batch:
         self, conn: _Connection, remaining: deque[OutboundMessage]
     ) -> _Failure | None:
         rec: _Recorder | None = None
+        conn.may_send = self.owner
+        recorded: Awaitable[object] | None = None
         try:
             while remaining and self.owner():
+                if recorded is not None:
+                    # The previous message's outcome is durable before the next
+                    # transaction starts: a crash re-sends at most one message
+                    # per open connection.
+                    await recorded
+                    recorded = None
+                    continue  # ownership is asked again
                 if conn.need_rset:
                     await conn.rset()
                 rec = _Recorder(
@@ -1184,10 +1211,18 @@ class _Batch:
                 done = rec.results()
                 self.results.extend(done)
                 if self.on_sent is not None and done:
-                    self.on_sent(done)  # recorded now, not only when the round ends
+                    recorded = self.on_sent(done)  # recorded now, not when the round ends
                 remaining.popleft()
                 rec = None
+            if recorded is not None:
+                await recorded
             await conn.quit()
+            return None
+        except _ClaimLost as exc:
+            # Nothing of the message in progress is recorded: its recipients
+            # have (or will have) a new owner, and the next hop has no copy.
+            log.warning("delivery to %s stopped %s: the claim was lost", conn.target.host, exc)
+            conn.abort()
             return None
         except _SessionFailed as exc:
             conn.abort()
@@ -1258,9 +1293,10 @@ async def deliver(
     """Deliver ``messages`` to one destination, trying ``targets`` in order.
 
     ``still_owner()`` (cheap, synchronous) is asked before opening each
-    connection and before starting each message; once it says False the
-    message in progress completes its transaction, the session QUITs, the
-    messages not started get no result at all and ``abandoned`` is set.
+    connection, before each MAIL FROM and before each final dot; once it says
+    False nothing more is sent: a transaction past 354 is dropped without its
+    final dot (the connection is closed: the next hop delivers nothing), the
+    messages not finished get no result at all and ``abandoned`` is set.
 
     ``load_body(msg)`` gives the bytes of a message whose ``data`` is None;
     it is awaited when that message is about to be sent (the bytes are
@@ -1270,8 +1306,10 @@ async def deliver(
 
     ``on_sent(results)`` (cheap, synchronous) is called with a message's
     results as soon as its transaction is over, so the caller can record a
-    delivery before the round ends (a crash then re-sends less); the
-    returned ``BatchResult`` still holds every result.
+    delivery before the round ends; when it returns an awaitable, the
+    connection awaits it before its next transaction (the outcome is durable
+    first: a crash re-sends at most the message in flight on each
+    connection). The returned ``BatchResult`` still holds every result.
 
     Steps:
     1. split the messages into balanced groups of at most

@@ -305,6 +305,10 @@ MAILRELAY_CATEGORIZER_BATCH_WAIT = env_duration("MAILRELAY_CATEGORIZER_BATCH_WAI
 # live owner renews every third of this (delivery.ownership); a dead owner's
 # claims are taken back by the sweep's reclaim once it runs out.
 MAILRELAY_DELIVERY_LEASE = env_duration("MAILRELAY_DELIVERY_LEASE", "30s")
+# An owner acts on a claim only while the time since the start of its last
+# successful renewal is below the lease less this margin (clock drift between
+# hosts, the time a send takes); at most a third of the lease is used.
+MAILRELAY_DELIVERY_LEASE_MARGIN = env_duration("MAILRELAY_DELIVERY_LEASE_MARGIN", "5s")
 # A delivery round claims at most this many bytes of messages (at least one message).
 MAILRELAY_DELIVERY_ROUND_BYTES = env_size("MAILRELAY_DELIVERY_ROUND_BYTES", "100MB")
 # Between two rounds of a link whose last round was not full, its delivery task

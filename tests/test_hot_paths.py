@@ -38,8 +38,7 @@ def relay(dns_settings, settings, smtp_port, sink_factory, monkeypatch):
     settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=5)
     dns_settings.a("example.net", "127.0.0.2")
     # One record per round (no early records): their number depends on timing.
-    monkeypatch.setattr(deliver, "EARLY_RECORD_SECONDS", 3600.0)
-    monkeypatch.setattr(deliver, "EARLY_RECORD_RESULTS", 10_000)
+    monkeypatch.setattr(deliver, "RECORD_EACH_MESSAGE", False)
     return sink_factory("127.0.0.2")
 
 

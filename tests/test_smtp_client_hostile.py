@@ -257,15 +257,14 @@ def test_reply_caps_are_exact():
 # --- still_owner ----------------------------------------------------------------------
 
 
-def test_losing_ownership_mid_group_finishes_the_message_in_progress(sink, smtp_port):
+def test_losing_ownership_after_354_drops_the_transaction_before_the_final_dot(sink, smtp_port):
     messages = [message(f"r{i}@example.com", f"s{i}@example.com") for i in range(4)]
-    asked: list[int] = []
 
     def still_owner() -> bool:
-        # Ownership is lost while the first message is in DATA: the sink has
-        # its body (the DATA verb is recorded) but has not answered yet.
-        asked.append(len(sink.messages))
-        return "DATA" not in sink.verbs()
+        # Ownership is lost once the sink has the first message's recipients:
+        # it is asked before MAIL FROM (held) and again after the 354, before
+        # the final dot (lost).
+        return "RCPT" not in sink.verbs()
 
     batch = asyncio.run(
         deliver(
@@ -276,17 +275,31 @@ def test_losing_ownership_mid_group_finishes_the_message_in_progress(sink, smtp_
         )
     )
     assert batch.abandoned
-    [got] = sink.messages
-    assert got.rcpt_tos == ["r0@example.com", "s0@example.com"]
-    # results for the message attempted only, and that one completed
-    assert sorted(r.recipient_id for r in batch.results) == sorted(
-        r.id for r in messages[0].recipients
-    )
-    assert {r.outcome for r in batch.results} == {"delivered"}
+    # The connection was closed without the dot: the next hop has no copy,
+    # and nothing is reported for the message (its recipients have a new owner).
     assert sink.wait_idle()
+    assert sink.messages == []
+    assert batch.results == []
     assert sink.connections == 1  # the second group never connected
-    assert sink.verbs() == ["EHLO", "MAIL", "RCPT", "RCPT", "DATA", "QUIT"]
+    assert sink.verbs() == ["EHLO", "MAIL", "RCPT", "RCPT"]  # DATA ends at the dot
     assert batch.connection_error == "" and not batch.host_failures
+
+
+def test_losing_ownership_between_messages_starts_no_mail_from(sink, smtp_port):
+    messages = [message(f"r{i}@example.com") for i in range(3)]
+    batch = asyncio.run(
+        deliver(
+            [target(A, smtp_port)],
+            messages,
+            config(max_messages_per_connection=3, max_connections=1),
+            still_owner=lambda: len(sink.messages) == 0,
+        )
+    )
+    assert batch.abandoned
+    assert [m.rcpt_tos for m in sink.messages] == [["r0@example.com"]]
+    assert [r.outcome for r in batch.results] == ["delivered"]
+    assert sink.wait_idle()
+    assert sink.verbs().count("MAIL") == 1
 
 
 def test_not_owner_from_the_start_connects_nowhere(sink, smtp_port):
