@@ -459,3 +459,104 @@ def test_only_replies_from_a_peer_count_as_throttling():
     assert not is_throttle(450, "4.2.1", "mailbox busy")
     assert not is_throttle(None, "4.7.5", "TLS required")  # our own policy, no reply
     assert not is_throttle(550, "5.7.1", "denied")
+
+
+# --- whose throttling replies count (issue #20, item 6) -----------------------------
+
+
+def test_an_attackers_mx_does_not_throttle_a_providers_shared_entry(shaping, relay, sink_factory):
+    """evil.test lists its own 421-answering MX before the provider's name, so
+    its link matches the shared ``provider`` entry; only replies from the
+    provider's host itself may cut the provider's limits."""
+    relay.mx("evil.test", [(10, "mx.evil.test"), (20, "mx-a.provider.test")])
+    relay.a("mx.evil.test", "127.0.0.4")
+    attacker = sink_factory("127.0.0.4", greeting="421 4.7.0 slow down")
+    provider = sink_factory(
+        "127.0.0.2", rcpt_tempfail={"t@evil.test": 1}, tempfail_reply="421 4.7.0 provider busy"
+    )
+    lim = limiter.limiter()
+    for i in range(3):
+        accept(f"u{i}@evil.test")
+    drain()
+    assert attacker.connections >= 1  # the attacker's host was tried and said 421
+    assert len(provider.messages) == 3  # then the provider's host took the mail
+    status = lim.status("entry:provider", clock.now().timestamp(), (60.0, 60.0))
+    assert (status.factor, status.reason) == (1.0, "")
+    # The provider's own host throttling, on that same link, does count.
+    accept("t@evil.test")
+    drain()
+    assert provider.verbs().count("RCPT") == 4
+    status = lim.status("entry:provider", clock.now().timestamp(), (60.0, 60.0))
+    assert (status.factor, status.reason) == (0.5, "421 4.7.0 provider busy")
+
+
+def test_the_hosts_whose_replies_count_are_those_of_the_entry(shaping):
+    from delivery.shaping.adaptive import throttle_reason
+    from delivery.types import BatchResult, HostFailure
+    from queues.models import Queue
+    from queues.states import DeliveryType
+
+    pol = parse(
+        """
+entries:
+  - {name: provider, mx: .provider.test}
+  - {name: partner, domain: partner.test}
+  - {name: smarthost, next_hop: "[10.0.0.5]:2525"}
+"""
+    )
+    provider, partner, smarthost = pol.entries
+
+    def link(name: str, *hosts: tuple[str, int, bool], domain: str = "") -> Link:
+        made = Link.objects.create(
+            name=name,
+            delivery_type=DeliveryType.DNS_MX,
+            hosts=[{"host": h, "port": p, "literal": lit} for h, p, lit in hosts],
+            created_at=clock.now(),
+        )
+        if domain:
+            Queue.objects.create(
+                name=domain, delivery_type=DeliveryType.DNS_MX, link=made, created_at=clock.now()
+            )
+        return made
+
+    mixed = link("mixed", ("mx.evil.test", 25, False), ("MX1.Provider.test.", 25, False))
+    assert gate.entry_for(mixed, pol) == provider  # the attacker's link shares the entry...
+    assert gate.speaking_hosts(provider, mixed) == {"mx1.provider.test"}  # ...not its voice
+    # A domain's own link, a next hop named by the operator, the default entry:
+    # every host of the link speaks for it.
+    own = link("own", ("mx.elsewhere.test", 25, False), domain="partner.test")
+    assert gate.entry_for(own, pol) == partner and gate.speaking_hosts(partner, own) is None
+    relay_hop = link("hop", ("10.0.0.5", 2525, True), ("10.0.0.6", 2525, True))
+    assert gate.speaking_hosts(smarthost, relay_hop) == {"10.0.0.5"}
+    assert gate.speaking_hosts(pol.default, mixed) is None
+
+    def failure(host: str, text: str) -> HostFailure:
+        return HostFailure(host, "127.0.0.4", 25, "connect", 421, text)
+
+    batch = BatchResult(
+        host_failures=[failure("mx.evil.test", "4.7.0 go away"), failure("mx1.provider.test", "")]
+    )
+    hosts = gate.speaking_hosts(provider, mixed)
+    assert throttle_reason(batch, provider.on_throttle, hosts) == "421"
+    batch.host_failures.pop()
+    assert throttle_reason(batch, provider.on_throttle, hosts) == ""
+    assert throttle_reason(batch, provider.on_throttle) == "421 4.7.0 go away"
+
+
+def test_an_attackers_mx_does_not_bring_a_throttled_provider_back_up(shaping, relay, sink_factory):
+    relay.mx("evil.test", [(10, "mx.evil.test"), (20, "mx-a.provider.test")])
+    relay.a("mx.evil.test", "127.0.0.4")
+    attacker = sink_factory("127.0.0.4")
+    sink_factory("127.0.0.2", rcpt_tempfail={"t@a.shaped.test": 1}, tempfail_reply="421 4.7.0 busy")
+    lim = limiter.limiter()
+    accept("t@a.shaped.test")
+    drain()
+    assert lim.status("entry:provider", clock.now().timestamp(), (60, 60)).factor == 0.5
+    clock.advance(timedelta(seconds=31))  # past the cool-down
+    accept("u@evil.test")
+    drain()
+    assert len(attacker.messages) == 1  # delivered, but by the attacker's own host
+    assert lim.status("entry:provider", clock.now().timestamp(), (60, 60)).factor == 0.5
+    accept("u@a.shaped.test")  # a delivery by the provider's host does
+    drain()
+    assert lim.status("entry:provider", clock.now().timestamp(), (60, 60)).factor == 1.0

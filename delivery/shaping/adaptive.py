@@ -3,7 +3,8 @@
 A throttling reply is a 421 (the peer closes: too many connections or
 messages), any 4xx with an enhanced code 4.7.x (RFC 3463 security or policy
 status, used by the big providers for rate limits), or a 4xx containing one
-of the entry's ``on_throttle.texts``. Such a reply multiplies the entry's
+of the entry's ``on_throttle.texts``. Only a reply from one of the entry's
+own hosts counts (``gate.speaking_hosts``). Such a reply multiplies the entry's
 factor by ``on_throttle.factor`` (halves it by default, down to
 ``min_factor``); after a cool-down without another, each round that
 delivered something takes one step back up (``limiter._RELEASE``).
@@ -11,7 +12,7 @@ delivered something takes one step back up (``limiter._RELEASE``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import UTC, datetime
 
 from delivery.shaping.limiter import Status
@@ -28,16 +29,27 @@ def is_throttle(code: int | None, enhanced: str, text: str, texts: Iterable[str]
     return any(t in lowered for t in texts)
 
 
-def throttle_reason(batch: BatchResult, throttle: Throttle) -> str:
-    """The first throttling reply of a round, as "421 4.7.0 text", or ""."""
+def speaks(host: str, hosts: Collection[str] | None) -> bool:
+    """Whether a reply from ``host`` (the host the connection went to) speaks
+    for the entry: ``hosts`` None means every host does."""
+    return hosts is None or host.lower().rstrip(".") in hosts
+
+
+def throttle_reason(
+    batch: BatchResult, throttle: Throttle, hosts: Collection[str] | None = None
+) -> str:
+    """The first throttling reply of a round from one of ``hosts`` (None: from
+    any host), as "421 4.7.0 text", or ""."""
     if not throttle.enabled:
         return ""
     for f in batch.host_failures:
+        if not speaks(f.host, hosts):
+            continue
         enhanced = f.text.split(" ", 1)[0] if f.text[:2] == "4." else ""
         if is_throttle(f.code, enhanced, f.text, throttle.texts):
             return f"{f.code} {f.text}".strip()
     for r in batch.results:
-        if is_throttle(r.code, r.enhanced, r.text, throttle.texts):
+        if speaks(r.host, hosts) and is_throttle(r.code, r.enhanced, r.text, throttle.texts):
             return " ".join(x for x in (str(r.code), r.enhanced, r.text) if x)
     return ""
 

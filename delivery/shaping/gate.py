@@ -83,6 +83,33 @@ def entry_for(link: Link, pol: Policy) -> Entry:
     return pol.match(**destination(link.name, link.hosts, domains))
 
 
+def speaking_hosts(entry: Entry, link: Link) -> frozenset[str] | None:
+    """The hosts of ``link`` whose replies speak for ``entry`` (adaptive shaping).
+
+    None (every host) when the whole link is the entry's: the default entry
+    (it limits this link alone), an entry matched by a recipient domain (that
+    domain's owner chose every host) or by the link's name. Else only the
+    hosts that match the entry by themselves (an ``mx`` name, a ``next_hop``):
+    a domain that lists its own host before a provider's MX name shares the
+    provider's entry, but its host's 421s do not slow the provider down.
+    Matched against the host each connection went to (its reply's ``host``).
+    """
+    from delivery.routing import hop_label
+    from delivery.types import NextHop
+
+    if entry.is_default or link.name.lower() in entry.next_hops:
+        return None
+    if entry.domains and entry.matches_domain(link_domains(link)):
+        return None
+    owned = set()
+    for hop in (NextHop.from_json(h) for h in link.hosts):
+        host = hop.host.lower().rstrip(".")
+        names = (hop_label(hop).lower(), f"[{host}]" if hop.literal else host)
+        if entry.owns_host("" if hop.literal else host, names):
+            owned.add(host)
+    return frozenset(owned)
+
+
 def client_config(entry: Entry, config: ClientConfig) -> ClientConfig:
     """``config`` with the entry's per-connection settings."""
     return replace(
@@ -129,8 +156,13 @@ class ShapedRound:
         return replace(self.config, max_connections=max(1, need))
 
     def observe(self, batch: BatchResult) -> None:
-        self.throttled = adaptive.throttle_reason(batch, self.entry.on_throttle)
-        self.delivered = any(r.outcome == "delivered" for r in batch.results)
+        """What the round's replies say of the entry: only replies from the
+        entry's own hosts count, for a cut and for a step back up."""
+        hosts = speaking_hosts(self.entry, self.link)
+        self.throttled = adaptive.throttle_reason(batch, self.entry.on_throttle, hosts)
+        self.delivered = any(
+            r.outcome == "delivered" and adaptive.speaks(r.host, hosts) for r in batch.results
+        )
         if self.throttled:
             log.warning(
                 "shaping %s: throttling reply from link %s: %s",

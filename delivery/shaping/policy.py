@@ -116,6 +116,17 @@ class Entry:
             return True
         return bool(self.next_hops) and any(h in self.next_hops for h in hops)
 
+    def matches_domain(self, domains: Iterable[str]) -> bool:
+        return any(_domain_match(p, d) for d in domains for p in self.domains)
+
+    def owns_host(self, mx_name: str, names: Iterable[str]) -> bool:
+        """Whether one host of a link is the entry's by itself: ``mx_name`` (its
+        name, "" for an address literal) matches ``mx``, or one of its
+        ``names`` (``host:port``, ``host``, ``[address]``) is a ``next_hop``."""
+        if mx_name and any(_domain_match(p, mx_name) for p in self.mx):
+            return True
+        return any(n in self.next_hops for n in names)
+
     def describe(self) -> str:
         parts = [f"{self.max_connections} conn", f"{self.max_messages_per_connection} msg/conn"]
         if self.max_message_rate:
