@@ -211,6 +211,75 @@ def test_a_claim_that_cannot_be_renewed_for_a_lease_is_lost():
     assert len(calls) == 2
 
 
+class MovableClock:
+    """A monotonic clock that tests move by hand."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_frozen_owner_loses_its_claim_by_its_own_clock_before_the_lease_ends():
+    """Nobody tells a frozen (SIGSTOP) or cut-off owner that it lost: when it
+    wakes, time alone says so, before anyone else may have taken its rows."""
+    now = MovableClock()
+    claim = Claim(
+        "test", lambda until: True, lease=timedelta(seconds=30), monotonic=now, acquired_at=now.t
+    )
+    margin = settings_margin()
+    now.t += 30 - margin - 0.01
+    assert claim.held()
+    now.t += 0.02  # past the lease less the margin: the sweep's reclaim is near
+    assert not claim.held()
+    claim.renew()  # a renewal that succeeds later does not bring it back
+    assert not claim.held()
+
+
+def test_a_claim_counts_from_the_start_of_a_slow_renewal():
+    """A renewal whose answer took 20 s bought the lease from when it was sent."""
+    now = MovableClock()
+
+    def slow(until):
+        now.t += 20
+        return True
+
+    claim = Claim("test", slow, lease=timedelta(seconds=30), monotonic=now, acquired_at=now.t)
+    now.t += 10
+    claim.renew()  # sent at +10, answered at +30: valid until +10 + 30 - margin
+    assert claim.held()
+    now.t = 1000 + 10 + 30 - settings_margin() + 0.01
+    assert not claim.held()
+
+
+def test_a_renewal_that_keeps_failing_stops_the_owner_within_the_lease_less_the_margin():
+    now = MovableClock()
+
+    def failing(until):
+        raise ConnectionError("database unreachable")
+
+    claim = Claim("test", failing, lease=timedelta(seconds=30), monotonic=now, acquired_at=now.t)
+    for _ in range(2):
+        now.t += 10
+        claim.renew()
+        assert claim.held()  # two failed renewals are not a loss yet
+    now.t += 30 - 20 - settings_margin()
+    assert not claim.held()
+
+
+def test_the_margin_is_at_most_a_third_of_a_short_lease(settings):
+    settings.MAILRELAY_DELIVERY_LEASE_MARGIN = timedelta(seconds=5)
+    assert Claim("t", lambda u: True, lease=timedelta(seconds=3)).valid_for == 2.0
+    assert Claim("t", lambda u: True, lease=timedelta(seconds=30)).valid_for == 25.0
+
+
+def settings_margin() -> float:
+    from django.conf import settings
+
+    return settings.MAILRELAY_DELIVERY_LEASE_MARGIN.total_seconds()
+
+
 def test_a_claim_whose_rows_were_taken_is_lost_at_once():
     claim = Claim("test", lambda until: False, lease=timedelta(seconds=30))
     claim.renew()
