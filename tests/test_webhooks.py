@@ -298,3 +298,33 @@ def test_endpoints_are_managed_by_admins_through_the_api():
         "webhook_update",
         "webhook_delete",
     ]
+
+
+@pytest.mark.django_db(transaction=True)  # the foreign key is checked at a real COMMIT
+def test_an_endpoint_deleted_while_mail_flows_costs_no_delivery_record(relay, receiver):
+    """The delivery process still has the endpoint cached (outbox.CONFIG_TTL) when
+    an operator deletes it: the round's webhook rows must not fail its commit
+    (the message would be sent again ~36 s later and be missing from tracking)."""
+    from queues.models import Message, MessageState, Recipient, RecipientState
+
+    endpoint = endpoints.create(
+        "root", "cli", name="gone", url=receiver.url, events=["delivered"], secret=SECRET
+    )
+    accept("bob@example.net")
+    drain()
+    assert outbox.endpoints()  # cached in this process, as in a delivery worker
+    endpoints.delete("root", "api", endpoint)
+    outbox._config = (
+        time.monotonic() + outbox.CONFIG_TTL,
+        [(endpoint.pk, frozenset({"delivered"}))],
+    )
+    accept("carol@example.net")
+    drain()
+    assert sorted(m.rcpt_tos[0] for m in relay.messages) == ["bob@example.net", "carol@example.net"]
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+    assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
+    assert TrackingEvent.objects.filter(event="delivered").count() == 2
+    assert not WebhookDelivery.objects.exists()  # none for the deleted endpoint
+    clock.advance(timedelta(minutes=5))
+    drain()
+    assert len(relay.messages) == 2  # exactly once

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from django.conf import settings
+from django.db import transaction
 
 from queues import clock
 from queues.models import AuditEntry
@@ -157,8 +158,14 @@ def rotate_secret(actor, via: str, endpoint: WebhookEndpoint) -> str:
 
 
 def delete(actor, via: str, endpoint: WebhookEndpoint) -> None:
-    _audit(actor, via, "webhook_delete", endpoint)
-    endpoint.delete()
+    """Delete ``endpoint`` and its deliveries. Its row is locked first: a delivery
+    round that is queuing webhooks for it (``outbox.enqueue`` holds the row FOR
+    KEY SHARE) commits first, and no new delivery row can follow once the
+    lock is ours, so neither side's commit fails on the foreign key."""
+    with transaction.atomic():
+        list(WebhookEndpoint.objects.select_for_update().filter(pk=endpoint.pk).values_list("pk"))
+        _audit(actor, via, "webhook_delete", endpoint)
+        endpoint.delete()
     outbox.invalidate()
 
 

@@ -78,18 +78,26 @@ def body(row: Any, event_type: str) -> str:
 
 
 TABLE = WebhookDelivery._meta.db_table
-# As tracking.record: the batch as one JSON parameter on PostgreSQL.
+ENDPOINTS = WebhookEndpoint._meta.db_table
+# As tracking.record: the batch as one JSON parameter on PostgreSQL. Only for
+# endpoints that still exist, each locked against deletion (FOR KEY SHARE) until
+# this transaction ends: an endpoint deleted while mail flows (this process may
+# still have it cached) never fails the commit of a delivery round — the
+# foreign key is checked at COMMIT, so a row for a deleted endpoint would
+# undo the whole round. ``endpoints.delete`` takes the row lock first.
 PG_INSERT = (
     f"INSERT INTO {TABLE} (endpoint_id, event_id, event, body, state, created_at, "
     "next_attempt_at, attempts, lease_owner, last_error) "
-    "SELECT endpoint_id, event_id, event, body, 'pending', %s, %s, 0, '', '' "
+    "SELECT x.endpoint_id, x.event_id, x.event, x.body, 'pending', %s, %s, 0, '', '' "
     "FROM jsonb_to_recordset(%s::jsonb) AS x(endpoint_id bigint, event_id uuid, event text, "
-    "body text)"
+    f"body text) JOIN {ENDPOINTS} e ON e.id = x.endpoint_id FOR KEY SHARE OF e"
 )
+# SQLite serialises writers: a row only for an endpoint that exists now.
 SQLITE_INSERT = (
     f"INSERT INTO {TABLE} (endpoint_id, event_id, event, body, state, created_at, "
     "next_attempt_at, attempts, lease_owner, last_error) "
-    "VALUES (%s, %s, %s, %s, 'pending', %s, %s, 0, '', '')"
+    "SELECT %s, %s, %s, %s, 'pending', %s, %s, 0, '', '' "
+    f"WHERE EXISTS (SELECT 1 FROM {ENDPOINTS} WHERE id = %s)"
 )
 
 
@@ -118,7 +126,7 @@ def enqueue(rows: Sequence[Any]) -> int:
             cur.execute(PG_INSERT, [now, now, json.dumps(batch)])
         else:
             when = connection.ops.adapt_datetimefield_value(now)
-            cur.executemany(SQLITE_INSERT, [(e, i.hex, t, b, when, when) for e, i, t, b in out])
+            cur.executemany(SQLITE_INSERT, [(e, i.hex, t, b, when, when, e) for e, i, t, b in out])
     transaction.on_commit(ring)
     return len(out)
 
