@@ -23,6 +23,7 @@ from delivery.tls_policy import plan
 from delivery.types import BatchResult, NextHop
 from queues import clock
 from queues.models import MtaStsPolicy
+from queues.units import seconds
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate
 
@@ -385,3 +386,77 @@ def test_non_public_addresses(address):
 )
 def test_public_addresses(address):
     assert https_fetch.is_public(ip_address(address))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slow_policy_fetch_does_not_outlive_the_round_claim(
+    sts, dns_settings, sink_factory, smtp_port, settings
+):
+    """The policy server trickles a good answer over about 2 s (within the
+    default fetch timeout); the lease is 0.6 s. The owner renews while it waits
+    for the fetch, so the sweep takes nothing back, a second delivery task finds
+    the link held, and the message goes once."""
+    from delivery.categorize import categorize_pending
+    from delivery.deliver import deliver_link
+    from delivery.sweep import reclaim
+    from queues.models import Attempt, Link, Recipient, RecipientState
+    from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+
+    assert seconds(settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT) >= 3
+    settings.MAILRELAY_DELIVERY_LEASE = timedelta(seconds=0.6)
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    dns_settings.mx(DOMAIN, [(10, MX)])
+    dns_settings.a(MX, A)
+    sink = sink_factory(A)
+    publish(dns_settings, sts, "id1", "testing", MX)
+    sts.raw = sized(sts.text)
+    sts.piece, sts.pace = 8, 2.0 / (len(sts.raw) / 8)
+    envelope = IncomingEnvelope(
+        mail_from="a@example.org",
+        recipients=[IncomingRecipient(f"rcpt@{DOMAIN}")],
+        client_address="127.0.0.1",
+        client_helo="client.test",
+    )
+    message_accept(envelope, b"From: a@example.org\r\nSubject: t\r\n\r\nbody\r\n")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    stop = threading.Event()
+    reclaimed: list[int] = []
+    second: list[int] = []
+
+    def sweeper() -> None:
+        from django.db import connection
+
+        try:
+            while not stop.is_set():
+                reclaimed.append(reclaim().recipients_reclaimed)
+                time.sleep(0.1)
+        finally:
+            connection.close()
+
+    def second_task() -> None:
+        from django.db import connection
+
+        try:
+            time.sleep(1.0)  # the first owner's lease would have run out by now
+            second.append(deliver_link(link.pk, "second-task"))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=sweeper), threading.Thread(target=second_task)]
+    for thread in threads:
+        thread.start()
+    try:
+        started = time.monotonic()
+        assert deliver_link(link.pk, "first-task") == 1
+        assert time.monotonic() - started > 1.5  # the fetch outlived the lease
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert len(sink.messages) == 1
+    assert sum(reclaimed) == 0 and second == [0]
+    assert list(Recipient.objects.values_list("state", flat=True)) == [RecipientState.DELIVERED]
+    assert Attempt.objects.count() == 1
+    assert MtaStsPolicy.objects.get(domain=DOMAIN).policy_id == "id1"
