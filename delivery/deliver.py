@@ -13,6 +13,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import partial
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
@@ -20,7 +21,7 @@ from django.db.models import F
 
 from delivery import retry, tls_policy
 from delivery.categorize import park_poison, worker_id
-from delivery.ownership import Claim, while_connected
+from delivery.ownership import Claim, while_connected, while_renewing
 from delivery.routing import DNS_MX, order_targets
 from delivery.shaping import gate as shaping_gate
 from delivery.smtp_client import ClientConfig, deliver
@@ -682,7 +683,7 @@ def _deliver_round(
             messages, AttemptOutcome.DEFERRED, "4.4.4", error or "no address for the next hop"
         )
     else:
-        planned = _with_tls(link, hops, messages, targets, config)
+        planned = _with_tls(link, hops, messages, targets, config, claim)
         if isinstance(planned, ClientConfig):
             batch = _exchange(
                 targets,
@@ -713,15 +714,23 @@ def _deliver_round(
 
 
 def _with_tls(
-    link: Link, hops: list[NextHop], messages: list[OutboundMessage], targets: list, config
+    link: Link,
+    hops: list[NextHop],
+    messages: list[OutboundMessage],
+    targets: list,
+    config,
+    claim: Claim | None = None,
 ) -> ClientConfig | str:
     """``config`` with the round's TLS requirements and AUTH credentials
     (delivery.tls_policy.plan: policy file, MTA-STS, DANE, all looked up here,
-    before the round); or why the round cannot go (then it is deferred: a
-    policy that cannot be read must not become cleartext)."""
+    before the round sends; a recipient domain's MTA-STS server is waited for
+    while ``claim`` is renewed); or why the round cannot go (then it is
+    deferred: a policy that cannot be read must not become cleartext)."""
     domains = sorted({r.address.rpartition("@")[2].lower() for m in messages for r in m.recipients})
+    wait = partial(while_renewing, claim) if claim is not None else None
+    dns_routed = link.delivery_type == DNS_MX
     try:
-        planned = tls_policy.plan(hops, link.delivery_type == DNS_MX, domains, targets, clock.now())
+        planned = tls_policy.plan(hops, dns_routed, domains, targets, clock.now(), wait)
     except Exception as exc:  # noqa: BLE001 - unreadable policy/credentials file
         log.exception("TLS policy of link %s could not be worked out", link.pk)
         return f"TLS policy could not be applied: {exc}"

@@ -6,10 +6,12 @@ For a domain routed by DNS (MX records), before a delivery round:
    domain has a policy and which version;
 2. the policy is fetched over HTTPS from
    ``https://mta-sts.<domain>/.well-known/mta-sts.txt`` (certificate verified
-   against ``MAILRELAY_TLS_CA_FILE`` or the system store; no redirects;
-   bounded by ``MAILRELAY_MTA_STS_FETCH_TIMEOUT``), and cached in the database
-   (``queues.models.MtaStsPolicy``) for its ``max_age``; it is fetched again
-   when the TXT id changes;
+   against ``MAILRELAY_TLS_CA_FILE`` or the system store; no redirects; one
+   deadline, ``MAILRELAY_MTA_STS_FETCH_TIMEOUT``, for the whole fetch; header
+   and body sizes capped; only from a public address unless
+   ``MAILRELAY_MTA_STS_ALLOW_PRIVATE``: ``delivery.https_fetch``), and cached
+   in the database (``queues.models.MtaStsPolicy``) for its ``max_age``; it is
+   fetched again when the TXT id changes;
 3. a failed lookup or fetch keeps using a cached policy that has not expired
    (§5.1), or applies none.
 
@@ -20,26 +22,29 @@ means no policy.
 
 The host name ``mta-sts.<domain>`` is resolved through the relay's own
 resolver (``MAILRELAY_DNS_NAMESERVERS``), so tests can point it at a loopback
-HTTPS server; ``MAILRELAY_MTA_STS_PORT`` (test-only, default 443) sets its port.
+HTTPS server; ``MAILRELAY_MTA_STS_PORT`` (test-only, default 443) sets its port,
+and ``MAILRELAY_MTA_STS_ALLOW_PRIVATE`` lets it be on loopback.
 """
 
 from __future__ import annotations
 
-import http.client
 import logging
 import re
-import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 import dns.exception
 import dns.resolver
 from django.conf import settings
 
+from delivery import https_fetch
 from queues.units import seconds
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WELL_KNOWN = "/.well-known/mta-sts.txt"
 MODES = ("enforce", "testing", "none")
@@ -157,36 +162,23 @@ def _txt_id(resolver: dns.resolver.Resolver, domain: str) -> str | None:
     return parse_txt(texts)
 
 
-class _PinnedHTTPS(http.client.HTTPSConnection):
-    """HTTPS to a name resolved by us: connect to ``ip`` and verify ``host``."""
-
-    def __init__(self, host: str, ip: str, port: int, context: ssl.SSLContext, timeout: float):
-        super().__init__(host, port, timeout=timeout, context=context)
-        self._ip = ip
-
-    def connect(self) -> None:
-        sock = socket.create_connection((self._ip, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
-
-
 def fetch_text(resolver: dns.resolver.Resolver, domain: str) -> str:
-    """The policy file of ``domain`` over verified HTTPS; raises on any failure."""
-    host = f"mta-sts.{domain}"
-    timeout = seconds(settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT)
-    ip = resolver.resolve(host, "A")[0].address
-    context = ssl.create_default_context(cafile=settings.MAILRELAY_TLS_CA_FILE or None)
-    conn = _PinnedHTTPS(host, ip, settings.MAILRELAY_MTA_STS_PORT, context, timeout)
+    """The policy file of ``domain`` over verified HTTPS (``delivery.https_fetch``:
+    one deadline, size caps, public addresses only); raises on any failure."""
     try:
-        conn.request("GET", WELL_KNOWN, headers={"Host": host, "User-Agent": "mailrelay"})
-        response = conn.getresponse()
-        if response.status != 200:  # §3.3: redirects are not followed
-            raise PolicyError(f"{host}{WELL_KNOWN} answered HTTP {response.status}")
-        body = response.read(MAX_POLICY_BYTES + 1)
-        if len(body) > MAX_POLICY_BYTES:
-            raise PolicyError(f"{host}{WELL_KNOWN} is larger than {MAX_POLICY_BYTES} bytes")
-        return body.decode("utf-8", "replace")
-    finally:
-        conn.close()
+        body = https_fetch.fetch(
+            resolver,
+            f"mta-sts.{domain}",
+            WELL_KNOWN,  # §3.3: redirects are not followed
+            port=settings.MAILRELAY_MTA_STS_PORT,
+            timeout=seconds(settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT),
+            ca_file=settings.MAILRELAY_TLS_CA_FILE,
+            allow_private=settings.MAILRELAY_MTA_STS_ALLOW_PRIVATE,
+            max_body=MAX_POLICY_BYTES,
+        )
+    except https_fetch.FetchError as exc:
+        raise PolicyError(str(exc)) from None
+    return body.decode("utf-8", "replace")
 
 
 def _cached(domain: str, now: datetime) -> tuple[StsPolicy | None, object | None]:
@@ -215,26 +207,51 @@ def _store(policy: StsPolicy, text: str, now: datetime) -> None:
     )
 
 
-def policy_for(resolver: dns.resolver.Resolver, domain: str, now: datetime) -> StsPolicy | None:
-    """The MTA-STS policy that applies to ``domain`` now, or None.
+def _published(
+    resolver: dns.resolver.Resolver, domain: str, cached: StsPolicy | None
+) -> tuple[str | None, str | None]:
+    """The TXT id and, when it is not the cached policy's, the policy text.
 
-    Steps: TXT id; a cached, unexpired policy with that id is used as is;
-    otherwise fetch, parse and cache it. A failed TXT lookup or fetch falls
-    back to the cached policy while it has not expired (RFC 8461 §5.1).
+    Network only, no database: the delivery round runs it in a thread of its
+    own while it renews its claim (``delivery.ownership.while_renewing``).
     """
-    domain = domain.rstrip(".").lower()
-    cached, _row = _cached(domain, now)
     try:
         policy_id = _txt_id(resolver, domain)
     except dns.exception.DNSException as exc:
         log.info("MTA-STS TXT lookup for %s failed (%s); cached policy: %s", domain, exc, cached)
-        return cached
-    if policy_id is None:
-        return cached  # §5.1: a removed record does not end a cached policy early
-    if cached is not None and cached.policy_id == policy_id:
-        return cached
+        return None, None
+    if policy_id is None or (cached is not None and cached.policy_id == policy_id):
+        return policy_id, None
+    return policy_id, fetch_text(resolver, domain)
+
+
+def _at_once(work: Callable[[], T]) -> T:
+    return work()
+
+
+def policy_for(
+    resolver: dns.resolver.Resolver,
+    domain: str,
+    now: datetime,
+    wait: Callable[[Callable[[], T]], T] | None = None,
+) -> StsPolicy | None:
+    """The MTA-STS policy that applies to ``domain`` now, or None.
+
+    Steps: TXT id; a cached, unexpired policy with that id is used as is;
+    otherwise fetch, parse and cache it. A failed TXT lookup or fetch falls
+    back to the cached policy while it has not expired (RFC 8461 §5.1). The
+    lookup and fetch run through ``wait`` (the caller's way to wait for
+    network work: a delivery round keeps its claim renewed meanwhile).
+    """
+    domain = domain.rstrip(".").lower()
+    cached, _row = _cached(domain, now)
+    wait = wait or _at_once
     try:
-        text = fetch_text(resolver, domain)
+        policy_id, text = wait(lambda: _published(resolver, domain, cached))
+        if policy_id is None or text is None:
+            # no record (§5.1: a removed record does not end a cached policy
+            # early), a failed lookup, or the cached policy's id
+            return cached
         policy = parse_policy(domain, policy_id, text)
     except Exception as exc:  # noqa: BLE001 - DNS, TLS, HTTP, parse: all "no new policy"
         log.warning("MTA-STS policy of %s could not be fetched: %s", domain, exc)

@@ -35,6 +35,7 @@ replaced, so a PostgreSQL restart costs a renewal, not the claim.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -163,3 +164,24 @@ def while_connected(claim: Claim, work: Callable[[], T]) -> T:
             log.warning("database unavailable (%s); trying again in %.1fs", exc, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+def while_renewing(claim: Claim, work: Callable[[], T]) -> T:
+    """Run ``work`` in a thread of its own while this thread (the owner, which
+    holds the database connection) renews ``claim``: for slow network work
+    inside a round, such as fetching a recipient domain's MTA-STS policy, so
+    a slow server cannot make the claim run out. ``work`` must not use the
+    database and must be bounded by its own deadline; its result is returned
+    and its exception raised here."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - raised in the owner thread
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name=f"{claim.name} wait", daemon=True).start()
+    while not concurrent.futures.wait([done], max(0.01, claim.seconds_to_renewal())).done:
+        claim.renew_if_due()
+    return done.result()

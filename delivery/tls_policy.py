@@ -23,8 +23,9 @@ domains share a link in one round, the strictest level applies.
 
 A level that cannot be met is a per-connection temporary failure
 (``4.7.5 ...``, Exim error name ``tls_required``), never a fall-back to
-cleartext. The work happens before a round (``plan``, DNS and HTTPS in the
-owner thread, bounded by timeouts); the SMTP client only reads the result
+cleartext. The work happens before a round sends (``plan``: DNS and HTTPS,
+bounded by timeouts; the MTA-STS part through the round's ``wait``, which
+keeps its claim renewed); the SMTP client only reads the result
 (``RoundTls.tls_for``, ``RoundTls.auth_for``).
 """
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -205,11 +206,14 @@ def plan(
     domains: Sequence[str],
     targets: Sequence,
     now: datetime,
+    wait: Callable | None = None,
 ) -> RoundTls:
     """Work out, before a round, what each target requires (see the module doc).
 
     ``link_hops`` are the link's ``NextHop``s, ``targets`` the addresses the
-    client will try (``routing.Target``: host, ip, port).
+    client will try (``routing.Target``: host, ip, port). ``wait`` runs the
+    MTA-STS lookups and fetches (``mta_sts.policy_for``): a round passes one
+    that renews its claim meanwhile.
     """
     from delivery.dns import make_resolver
     from delivery.routing import configured_hops, hop_label
@@ -235,7 +239,7 @@ def plan(
             else TlsRequirement(level, True, refuse=f"{ENHANCED} no TLSA lookup for this host")
         )
     elif configured is None and dns_routed and settings.MAILRELAY_MTA_STS:
-        _apply_mta_sts(rnd, make_resolver(), domains, hosts, now, ca_file)
+        _apply_mta_sts(rnd, make_resolver(), domains, hosts, now, ca_file, wait)
     table = smtp_auth.load()
     if table:
         for host, port in hosts:
@@ -269,8 +273,9 @@ def _apply_mta_sts(
     hosts: Sequence[tuple[str, int]],
     now: datetime,
     ca_file: str,
+    wait: Callable | None,
 ) -> None:
-    policies = [p for d in domains if (p := mta_sts.policy_for(resolver, d, now)) is not None]
+    policies = [p for d in domains if (p := mta_sts.policy_for(resolver, d, now, wait)) is not None]
     policies = [p for p in policies if p.mode in ("enforce", "testing")]
     if not policies:
         return

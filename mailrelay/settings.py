@@ -444,7 +444,10 @@ MAILRELAY_TLS_DEFAULT_LEVEL = env_str("MAILRELAY_TLS_DEFAULT_LEVEL", "may")
 # CA bundle for verify/secure and MTA-STS (certificates and policy fetch); "" = system store.
 MAILRELAY_TLS_CA_FILE = env_str("MAILRELAY_TLS_CA_FILE", "")
 MAILRELAY_MTA_STS = env_bool("MAILRELAY_MTA_STS", True)
+# One deadline for the whole policy fetch (address, connect, TLS, headers, body).
 MAILRELAY_MTA_STS_FETCH_TIMEOUT = env_duration("MAILRELAY_MTA_STS_FETCH_TIMEOUT", "10s")
+# Fetch policies from non-public addresses (loopback, private, link-local, ...) too.
+MAILRELAY_MTA_STS_ALLOW_PRIVATE = env_bool("MAILRELAY_MTA_STS_ALLOW_PRIVATE", False)
 # Test-only: the HTTPS port of mta-sts.<domain> (RFC 8461 says 443).
 MAILRELAY_MTA_STS_PORT = env_int("MAILRELAY_MTA_STS_PORT", 443)
 # The path of a file of "next-hop username:password [allow-cleartext]" lines;

@@ -6,20 +6,24 @@ from __future__ import annotations
 import asyncio
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from ipaddress import ip_address
 from pathlib import Path
 
 import pytest
 import trustme
 
-from delivery import mta_sts
+from delivery import https_fetch, mta_sts
+from delivery.dns import make_resolver
 from delivery.smtp_client import deliver
 from delivery.tls_policy import plan
 from delivery.types import BatchResult, NextHop
 from queues import clock
 from queues.models import MtaStsPolicy
+from queues.units import seconds
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate
 
@@ -29,16 +33,23 @@ POLICY = "version: STSv1\nmode: {mode}\nmx: {mx}\nmax_age: 86400\n"
 
 
 class PolicyServer:
-    """HTTPS on 127.0.0.1 serving ``text`` at /.well-known/mta-sts.txt."""
+    """HTTPS on 127.0.0.1 serving ``text`` at /.well-known/mta-sts.txt; or, when
+    ``raw`` is set, those bytes as the whole response, ``piece`` bytes every
+    ``pace`` seconds (a hostile server trickling its answer)."""
 
     def __init__(self, cert: Path, key: Path) -> None:
         self.text = ""
+        self.raw: bytes | None = None
+        self.piece, self.pace = 65536, 0.0
         self.requests: list[str] = []
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 owner.requests.append(f"{self.headers['Host']}{self.path}")
+                if owner.raw is not None:
+                    self.trickle(owner.raw)
+                    return
                 body = owner.text.encode()
                 status = 200 if self.path == mta_sts.WELL_KNOWN else 404
                 self.send_response(status)
@@ -46,6 +57,15 @@ class PolicyServer:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def trickle(self, data: bytes) -> None:
+                self.close_connection = True
+                try:
+                    for i in range(0, len(data), owner.piece):
+                        self.wfile.write(data[i : i + owner.piece])
+                        time.sleep(owner.pace)
+                except OSError:
+                    pass  # the client hung up: what a cut fetch does
 
             def log_message(self, *args) -> None:
                 pass
@@ -77,6 +97,7 @@ def sts(ca, tmp_path, settings, dns_settings) -> Iterator[PolicyServer]:
     settings.MAILRELAY_TLS_CA_FILE = str(ca_file)
     settings.MAILRELAY_MTA_STS_PORT = server.port
     settings.MAILRELAY_MTA_STS = True
+    settings.MAILRELAY_MTA_STS_ALLOW_PRIVATE = True  # the policy server is on loopback
     settings.MAILRELAY_TLS_POLICY = ""
     dns_settings.a(f"mta-sts.{DOMAIN}", "127.0.0.1")
     try:
@@ -233,3 +254,209 @@ def test_testing_mode_checks_tls_after_the_fact(
         assert res.tls_verified == "none"
         assert f"certificate of {MX} does not verify" in res.tls_report
         assert len(events) == 1 and "delivered anyway" in events[0]
+
+
+# --- a hostile policy server (issue #20) ---------------------------------------------
+
+
+def http_response(body: bytes, *headers: bytes) -> bytes:
+    head = [b"HTTP/1.1 200 OK", b"Content-Type: text/plain", *headers]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def sized(text: str) -> bytes:
+    body = text.encode()
+    return http_response(body, b"Content-Length: %d" % len(body))
+
+
+@pytest.mark.django_db
+def test_a_trickling_policy_server_is_cut_at_the_fetch_deadline(
+    sts, dns_settings, sink_factory, smtp_port, settings
+):
+    """Every few bytes come well within the timeout, the whole answer would take
+    about 6 s: the fetch ends at its deadline (1 s) and the round goes on without
+    the policy (which would have deferred it)."""
+    settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT = timedelta(seconds=1)
+    sink = sink_factory(A)
+    publish(dns_settings, sts, "id1", "enforce", "mail.other.test")
+    sts.raw = sized(sts.text).replace(b"\r\n\r\n", b"\r\nX-Pad: " + b"a" * 100 + b"\r\n\r\n")
+    sts.piece, sts.pace = 4, 0.1
+    started = time.monotonic()
+    (res,) = run_round(smtp_port)[0].results
+    assert time.monotonic() - started < 2.5
+    assert res.outcome == "delivered", res.text
+    assert not MtaStsPolicy.objects.exists()
+    assert len(sts.requests) == 1 and len(sink.messages) == 1
+
+
+@pytest.mark.django_db
+def test_the_headers_of_a_policy_response_are_capped(sts, dns_settings):
+    """Each line is under http.client's 64 KiB line limit; together they are far
+    more than any policy server sends."""
+    publish(dns_settings, sts, "id1", "enforce", MX)
+    pads = [b"X-Pad-%d: %s" % (i, b"a" * 30_000) for i in range(4)]
+    sts.raw = sized(sts.text).replace(b"\r\n\r\n", b"\r\n" + b"\r\n".join(pads) + b"\r\n\r\n")
+    with pytest.raises(mta_sts.PolicyError, match="headers larger than"):
+        mta_sts.fetch_text(make_resolver(), DOMAIN)
+
+
+@pytest.mark.django_db
+def test_the_body_of_a_policy_response_is_capped_with_its_framing(sts, dns_settings):
+    """A 70-byte policy sent one byte per chunk, each chunk-size line padded with
+    a 20 KB extension: 1.4 MB on the wire for a small policy."""
+    publish(dns_settings, sts, "id1", "enforce", MX)
+    ext = b";x=" + b"a" * 20_000
+    chunks = b"".join(b"1%s\r\n%s\r\n" % (ext, bytes([c])) for c in sts.text.encode())
+    sts.raw = http_response(chunks + b"0\r\n\r\n", b"Transfer-Encoding: chunked")
+    with pytest.raises(mta_sts.PolicyError, match="larger than"):
+        mta_sts.fetch_text(make_resolver(), DOMAIN)
+    # the same policy in a few plain chunks is read
+    plain = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in sts.text.encode().split(b"\n"))
+    sts.raw = http_response(plain + b"0\r\n\r\n", b"Transfer-Encoding: chunked")
+    assert mta_sts.fetch_text(make_resolver(), DOMAIN) == sts.text.replace("\n", "")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("qtype", "address"),
+    [
+        ("A", "127.0.0.1"),
+        ("A", "169.254.169.254"),
+        ("A", "10.1.2.3"),
+        ("AAAA", "::ffff:7f00:1"),  # 127.0.0.1, IPv4-mapped
+        ("AAAA", "64:ff9b::a9fe:a9fe"),  # 169.254.169.254 through NAT64
+    ],
+)
+def test_a_policy_host_on_a_non_public_address_is_not_fetched(
+    sts, dns_settings, sink_factory, smtp_port, settings, qtype, address
+):
+    """mta-sts.<domain> may point anywhere: by default the relay fetches only from
+    public addresses (no request to itself, its network, or a metadata service)."""
+    settings.MAILRELAY_MTA_STS_ALLOW_PRIVATE = False
+    settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT = timedelta(seconds=1)
+    host = f"mta-sts.{DOMAIN}"
+    dns_settings.remove(host)
+    getattr(dns_settings, qtype.lower())(host, address)
+    sink = sink_factory(A)
+    publish(dns_settings, sts, "id1", "enforce", "mail.other.test")
+    with pytest.raises(mta_sts.PolicyError, match=f"{address} is not a public address"):
+        mta_sts.fetch_text(make_resolver(), DOMAIN)
+    (res,) = run_round(smtp_port)[0].results
+    assert res.outcome == "delivered", res.text
+    assert sts.requests == [] and len(sink.messages) == 1
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "10.0.0.1",
+        "172.16.0.1",
+        "192.168.1.1",
+        "100.64.0.1",
+        "169.254.169.254",
+        "0.0.0.0",
+        "224.0.0.1",
+        "239.255.255.250",
+        "255.255.255.255",
+        "::",
+        "::1",
+        "fe80::1",
+        "fd00::1",
+        "ff02::1",
+        "ff0e::1",
+        "::ffff:127.0.0.1",
+        "::ffff:169.254.169.254",
+        "64:ff9b::a9fe:a9fe",
+        "64:ff9b::7f00:1",
+        "64:ff9b:1::808:808",
+        "2002:7f00:1::1",
+        "2002:a9fe:a9fe::1",
+        "::7f00:1",
+        "2001:db8::1",
+    ],
+)
+def test_non_public_addresses(address):
+    assert not https_fetch.is_public(ip_address(address))
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["8.8.8.8", "2001:4860:4860::8888", "::ffff:8.8.8.8", "64:ff9b::808:808", "2002:808:808::1"],
+)
+def test_public_addresses(address):
+    assert https_fetch.is_public(ip_address(address))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slow_policy_fetch_does_not_outlive_the_round_claim(
+    sts, dns_settings, sink_factory, smtp_port, settings
+):
+    """The policy server trickles a good answer over about 2 s (within the
+    default fetch timeout); the lease is 0.6 s. The owner renews while it waits
+    for the fetch, so the sweep takes nothing back, a second delivery task finds
+    the link held, and the message goes once."""
+    from delivery.categorize import categorize_pending
+    from delivery.deliver import deliver_link
+    from delivery.sweep import reclaim
+    from queues.models import Attempt, Link, Recipient, RecipientState
+    from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+
+    assert seconds(settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT) >= 3
+    settings.MAILRELAY_DELIVERY_LEASE = timedelta(seconds=0.6)
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    dns_settings.mx(DOMAIN, [(10, MX)])
+    dns_settings.a(MX, A)
+    sink = sink_factory(A)
+    publish(dns_settings, sts, "id1", "testing", MX)
+    sts.raw = sized(sts.text)
+    sts.piece, sts.pace = 8, 2.0 / (len(sts.raw) / 8)
+    envelope = IncomingEnvelope(
+        mail_from="a@example.org",
+        recipients=[IncomingRecipient(f"rcpt@{DOMAIN}")],
+        client_address="127.0.0.1",
+        client_helo="client.test",
+    )
+    message_accept(envelope, b"From: a@example.org\r\nSubject: t\r\n\r\nbody\r\n")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    stop = threading.Event()
+    reclaimed: list[int] = []
+    second: list[int] = []
+
+    def sweeper() -> None:
+        from django.db import connection
+
+        try:
+            while not stop.is_set():
+                reclaimed.append(reclaim().recipients_reclaimed)
+                time.sleep(0.1)
+        finally:
+            connection.close()
+
+    def second_task() -> None:
+        from django.db import connection
+
+        try:
+            time.sleep(1.0)  # the first owner's lease would have run out by now
+            second.append(deliver_link(link.pk, "second-task"))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=sweeper), threading.Thread(target=second_task)]
+    for thread in threads:
+        thread.start()
+    try:
+        started = time.monotonic()
+        assert deliver_link(link.pk, "first-task") == 1
+        assert time.monotonic() - started > 1.5  # the fetch outlived the lease
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert len(sink.messages) == 1
+    assert sum(reclaimed) == 0 and second == [0]
+    assert list(Recipient.objects.values_list("state", flat=True)) == [RecipientState.DELIVERED]
+    assert Attempt.objects.count() == 1
+    assert MtaStsPolicy.objects.get(domain=DOMAIN).policy_id == "id1"

@@ -16,7 +16,7 @@ import pytest
 from delivery.categorize import _process, categorize_pending
 from delivery.categorize import claim_batch as claim_for_categorizer
 from delivery.deliver import deliver_link
-from delivery.ownership import Claim
+from delivery.ownership import Claim, while_renewing
 from delivery.sweep import reclaim, sweep
 from queues import clock
 from queues.models import (
@@ -284,6 +284,28 @@ def test_a_claim_whose_rows_were_taken_is_lost_at_once():
     claim = Claim("test", lambda until: False, lease=timedelta(seconds=30))
     claim.renew()
     assert not claim.held()
+
+
+def test_while_renewing_renews_the_claim_while_the_work_runs_and_hands_back_its_outcome():
+    renewals: list[object] = []
+    lease = timedelta(seconds=0.3)
+    claim = Claim("test", lambda until: renewals.append(until) or True, lease=lease)
+
+    def slow() -> str:
+        time.sleep(0.35)
+        return "done"
+
+    assert while_renewing(claim, slow) == "done"
+    assert len(renewals) >= 2  # every 0.1 s
+    assert claim.held()
+
+    def cut() -> None:
+        time.sleep(0.05)
+        raise TimeoutError("the work's own deadline")
+
+    # the work's TimeoutError is its outcome, not the wait's
+    with pytest.raises(TimeoutError, match="own deadline"):
+        while_renewing(claim, cut)
 
 
 @pytest.mark.django_db
