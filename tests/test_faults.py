@@ -84,12 +84,20 @@ def test_kill_9_of_the_delivery_worker_mid_stream(cluster: Cluster) -> None:
     job = cluster.send_async(MESSAGES, clients=4, tag="kill")
     assert cluster.wait_sink_count(FAULT_AFTER, 60), "delivery never started"
     worker = cluster.delivery_worker
-    cluster.kill(worker)
+    with cluster.sink._cond:  # the outbound connections open at the kill
+        open_at_kill = cluster.sink.active_connections
+        cluster.kill(worker)
     fault_at = time.monotonic()
     in_flight = cluster.in_flight()  # exact: their owner is dead, nobody else holds them yet
     cluster.start_process(worker)
     sent = job.wait(120)
     _assert_recovered(cluster, sent, fault_at, in_flight)
+    # Each outcome is committed before its connection's next transaction: at
+    # most the message in flight on each open connection arrives twice.
+    duplicates = sum(n - 1 for n in cluster.copies().values())
+    assert duplicates <= open_at_kill, (
+        f"{duplicates} duplicates with {open_at_kill} outbound connections open at the kill"
+    )
 
 
 def test_postgresql_restart_mid_delivery(cluster: Cluster) -> None:
