@@ -11,13 +11,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection, transaction
+from django.db import connection, transaction
 
 from delivery import bell, retry
 from delivery.ownership import Claim, while_connected
 from delivery.routing import Router
 from delivery.types import Route, RouteError
 from queues import clock, counters, dsn
+from queues.dberrors import is_outage
 from queues.models import (
     Attempt,
     AttemptOutcome,
@@ -237,9 +238,9 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     try:
         # A database restart is waited out while the claim holds (not a crash).
         links = while_connected(claim, lambda: _process(ids, owner, claim))
-    except (OperationalError, InterfaceError):
-        raise  # away for a whole lease: the reclaim hands the batch on
-    except Exception:
+    except Exception as exc:
+        if is_outage(exc):
+            raise  # away for a whole lease: the reclaim hands the batch on
         if len(ids) == 1:  # claimed alone: the claim counted this try already
             log.exception("categorizing message %s failed", ids[0])
             _release_after_crash(ids[0], count=False)

@@ -16,7 +16,7 @@ from datetime import datetime
 from functools import partial
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection, transaction
+from django.db import connection, transaction
 from django.db.models import F
 
 from delivery import retry, tls_policy
@@ -33,6 +33,7 @@ from delivery.types import (
     RecipientResult,
 )
 from queues import clock, counters, dsn
+from queues.dberrors import is_outage
 from queues.models import (
     Attempt,
     AttemptOutcome,
@@ -493,8 +494,7 @@ def _write(
             # Claimed but never tried (the round stopped when it lost its claim,
             # or a peer never got to them): waiting again, due now.
             Recipient.objects.owned_by(owner).release(now)
-        retry.store_hints(rnd.hints)
-        retry.forget_hints(rnd.cleared_hints)
+        _write_hints(rnd)
         _notify_round(rnd)
         if rnd.message_failures:
             threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
@@ -507,6 +507,22 @@ def _write(
         Message.objects.finish_ids({r.message_id for r in batch.results}, now)
         _write_link(link, rnd, batch.connection_error)
     counters.record_delivery(rnd.attempts, rows.values())
+
+
+def _write_hints(rnd: _Round) -> None:
+    """The round's retry data, in a savepoint: it is a hint (deleting it is always
+    safe), so data that cannot be written is logged and dropped, never the
+    round's recorded outcomes with it. A lost connection is still an outage."""
+    if not rnd.hints and not rnd.cleared_hints:
+        return
+    try:
+        with transaction.atomic():
+            retry.store_hints(rnd.hints)
+            retry.forget_hints(rnd.cleared_hints)
+    except Exception as exc:
+        if is_outage(exc):
+            raise
+        log.exception("the retry data of a delivery round could not be written; dropped")
 
 
 def insert_attempts(attempts: list[Attempt]) -> None:
@@ -701,15 +717,16 @@ def _deliver_round(
             batch = _unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
     try:
         while_connected(claim, lambda: _record(link, batch, owner))
-    except (OperationalError, InterfaceError):
-        # The database stayed away for a whole lease: the rows are (or will
-        # be) taken back by the sweep and tried again; nothing to write here.
-        log.exception("could not record a delivery round of link %s", link.pk)
-    except Exception:
-        # Never retry the same batch in a tight loop: park it for a while, and
-        # a message that keeps breaking the recording goes to Poison.
-        log.exception("recording a delivery round of link %s failed", link.pk)
-        _record_crash(owner)
+    except Exception as exc:
+        if is_outage(exc):
+            # The database stayed away for a whole lease: the rows are (or will
+            # be) taken back by the sweep and tried again; nothing to write here.
+            log.exception("could not record a delivery round of link %s", link.pk)
+        else:
+            # Never retry the same batch in a tight loop: park it for a while, and
+            # a message that keeps breaking the recording goes to Poison.
+            log.exception("recording a delivery round of link %s failed", link.pk)
+            _record_crash(owner)
     return len(ids)
 
 

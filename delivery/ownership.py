@@ -47,6 +47,7 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
 from queues import clock
+from queues.dberrors import is_outage
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +152,16 @@ def while_connected(claim: Claim, work: Callable[[], T]) -> T:
     reconnect and run it again for as long as the claim is held, renewing it,
     so an outage shorter than a lease costs a moment, not the claim (and not a
     second copy of what a round already sent). ``work`` must be safe to repeat:
-    one transaction, fenced by the owner token."""
+    one transaction, fenced by the owner token. A data error (queues.dberrors:
+    a value or an index row too large, a constraint) is not an outage: it is
+    raised at once, not tried again."""
     delay = 0.2
     while True:
         try:
             return work()
         except (OperationalError, InterfaceError) as exc:
+            if not is_outage(exc):
+                raise
             drop_connection()
             claim.renew()  # keeps the claim across the outage, or finds it lost
             if not claim.held():

@@ -36,6 +36,7 @@ from django.conf import settings
 from django.db import Error, InterfaceError, OperationalError, connection, transaction
 
 from queues import domains
+from queues.dberrors import is_outage
 from queues.headers import header_end
 
 log = logging.getLogger(__name__)
@@ -235,8 +236,8 @@ def _load_keys_reconnecting(keys_dir: str) -> dict[str, SigningKey]:
     first message after a restart is signed too."""
     try:
         return load_keys(keys_dir)
-    except (OperationalError, InterfaceError):
-        if connection.in_atomic_block or connection.vendor != "postgresql":
+    except (OperationalError, InterfaceError) as exc:
+        if not is_outage(exc) or connection.in_atomic_block or connection.vendor != "postgresql":
             raise
         connection.close()
         return load_keys(keys_dir)

@@ -14,6 +14,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 
 from queues import clock, dkim, domains
 from queues.bulk import insert_many_with_children, insert_with_children
+from queues.dberrors import is_outage
 from queues.headers import inspect_headers
 from queues.models import (
     Event,
@@ -156,6 +157,8 @@ class PreparedMessage:
     recipients: list[Recipient]
     parts: dict[str, tuple[bytes, bytes | bytearray]]
     dkim_error: str
+    env: IncomingEnvelope  # what it was made from: prepared again under a new queue id
+    data: bytes | bytearray
 
 
 def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedMessage:
@@ -198,27 +201,56 @@ def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedM
         )
         for rcpt in env.recipients
     ]
-    return PreparedMessage(message, recipients, {"data": (prefix, data)}, dkim_error)
+    return PreparedMessage(message, recipients, {"data": (prefix, data)}, dkim_error, env, data)
+
+
+# A queue id is 45 bits of time and 25 random bits: two messages of the same
+# millisecond (on any ingress) may draw the same one. The unique index tells;
+# the message is then prepared again under a new id (its Received header and a
+# generated Message-ID name it), so a collision costs a retry, never a message.
+QID_DRAWS = 5
+
+
+class QueueIdTaken(Exception):
+    """The queue id drawn for a message is held by another stored message."""
 
 
 def _insert_one(prepared: PreparedMessage) -> Message:
-    """One message in its own statement (and transaction), retried once on a lost connection."""
+    """One message in its own statement (and transaction), retried once on a lost
+    connection, and under a new queue id when its own is another message's."""
+    for _ in range(QID_DRAWS):
+        try:
+            return _insert_as_drawn(prepared)
+        except QueueIdTaken as taken:
+            log.warning("queue id %s is another message's; drawing a new one", taken)
+            prepared = prepare_message(prepared.env, prepared.data)
+    raise IntegrityError(f"no free queue id in {QID_DRAWS} draws")
+
+
+def _insert_as_drawn(prepared: PreparedMessage) -> Message:
+    try:
+        return _insert_once(prepared)
+    except (OperationalError, InterfaceError) as exc:
+        if not is_outage(exc) or connection.in_atomic_block or connection.vendor != "postgresql":
+            raise  # the caller's transaction is lost with the connection; SQLite is local
+        qid = prepared.message.qid
+        log.warning("%s: database connection lost; retrying once on a new one", qid)
+        connection.close()
+    stored = _qid_holder(prepared.message)
+    if stored is not None:
+        return stored  # committed before the connection died
+    return _insert_once(prepared)
+
+
+def _insert_once(prepared: PreparedMessage) -> Message:
     message = prepared.message
     try:
         insert_with_children(message, prepared.recipients, "message", parts=prepared.parts)
-    except (OperationalError, InterfaceError):
-        if connection.in_atomic_block or connection.vendor != "postgresql":
-            raise  # the caller's transaction is lost with the connection; SQLite is local
-        log.warning("%s: database connection lost; retrying once on a new one", message.qid)
-        connection.close()
-        stored = Message.objects.filter(qid=message.qid).first()
-        if stored is not None:
-            return stored  # committed before the connection died
-        insert_with_children(message, prepared.recipients, "message", parts=prepared.parts)
     except IntegrityError:
-        # Its queue id is taken: a group commit that failed after committing
-        # stored it (and looking it up then failed too). It is that message.
-        stored = None if connection.in_atomic_block else _stored_as(message)
+        # Its queue id is taken: by this very message (a group commit that
+        # failed after committing stored it, and looking it up then failed
+        # too), or by another one (QueueIdTaken: a new id).
+        stored = None if connection.in_atomic_block else _qid_holder(message)
         if stored is None:
             raise
         log.warning("%s: already stored by a failed group commit", message.qid)
@@ -228,16 +260,20 @@ def _insert_one(prepared: PreparedMessage) -> Message:
     return message
 
 
-def _stored_as(message: Message) -> Message | None:
-    """The stored row with ``message``'s queue id, if it is this very message."""
+def _qid_holder(message: Message) -> Message | None:
+    """The stored row with ``message``'s queue id when it is this very message;
+    None when no row has it; QueueIdTaken when another message's row does."""
     stored = Message.objects.filter(qid=message.qid).defer("data").first()
-    if stored is None or (stored.size, stored.mail_from, stored.received_at) != (
-        message.size,
-        message.mail_from,
-        message.received_at,
-    ):
-        return None
+    if stored is not None and not _same_message(stored, message):
+        raise QueueIdTaken(message.qid)
     return stored
+
+
+def _same_message(stored: Message, message: Message) -> bool:
+    """Whether the row ``stored`` is ``message`` (same queue id, envelope, size
+    and arrival instant), not another message that drew the same queue id."""
+    fields = ("size", "mail_from", "received_at", "message_id", "client_address")
+    return all(getattr(stored, f) == getattr(message, f) for f in fields)
 
 
 def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
@@ -269,7 +305,9 @@ def messages_accept(
     bad message fails alone and the innocent ones are stored. A connection
     lost around the batch's commit leaves it unknown whether the commit
     happened: the queue ids are looked up on a new connection first, so no
-    message is stored twice.
+    message is stored twice; a row found counts only when it is that very
+    message (``_same_message``), and a queue id another message holds is a
+    collision: the message is stored under a new one (``_insert_one``).
     """
     results: list[Message | Exception] = []
     ready: list[tuple[int, PreparedMessage]] = []
@@ -297,9 +335,9 @@ def messages_accept(
         # Whatever failed, the statement may have committed before it (a lost
         # connection, or an error after the INSERT returned): look the queue ids
         # up first, so no committed message gets 451 and is stored twice.
-        if isinstance(exc, (OperationalError, InterfaceError)):
+        if is_outage(exc):
             _close_quietly()
-        stored = _already_stored([p.message.qid for _i, p in ready])
+        stored = _already_stored([p.message for _i, p in ready])
         for index, prepared in ready:
             found = stored.get(prepared.message.qid)
             results[index] = found if found is not None else _try_one(prepared)
@@ -320,10 +358,14 @@ def _try_one(prepared: PreparedMessage) -> Message | Exception:
         return exc
 
 
-def _already_stored(qids: list[str]) -> dict[str, Message]:
-    """Messages of a batch whose commit may have happened before its connection was lost."""
+def _already_stored(messages: list[Message]) -> dict[str, Message]:
+    """Messages of a batch whose commit may have happened before its connection
+    was lost: each found by its queue id, and only when the row is that very
+    message (another message holding the id is a collision: _insert_one)."""
+    by_qid = {m.qid: m for m in messages}
     try:
-        return {m.qid: m for m in Message.objects.filter(qid__in=qids).defer("data")}
+        rows = Message.objects.filter(qid__in=list(by_qid)).defer("data")
+        return {m.qid: m for m in rows if _same_message(m, by_qid[m.qid])}
     except Exception:  # noqa: BLE001 - then each is retried, which finds its own qid
         log.warning("could not look up the messages of a lost batch", exc_info=True)
         _close_quietly()

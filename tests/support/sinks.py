@@ -36,6 +36,8 @@ Behaviour knobs (``SinkBehaviour`` fields, passed as keywords):
   only inside TLS unless ``auth_require_tls=False``; ``auth_required`` makes
   MAIL need it; attempts are recorded in ``auth_attempts``;
 - ``implicit_tls=True``: TLS from the first byte (port 465 style);
+- ``command_size_limit=4096``: accept command lines up to that many octets
+  (aiosmtpd's default is RFC 5321's 512, plus its extensions' room);
 - ``certificate=(cert, key)`` (a factory keyword): serve that certificate
   (e.g. issued by a test's trustme CA) instead of the default self-signed one.
 
@@ -55,6 +57,7 @@ polling.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 import ssl
@@ -98,6 +101,8 @@ class SinkBehaviour:
     auth_mechanisms: Collection[str] = ("PLAIN", "LOGIN")
     # TLS from the first byte (port 465 style) instead of STARTTLS.
     implicit_tls: bool = False
+    # Longest command line accepted (None: aiosmtpd's 512 and its extensions' room).
+    command_size_limit: int | None = None
 
 
 @dataclass
@@ -153,6 +158,9 @@ class _SinkSMTP(SMTP):
     bookkeeping."""
 
     def __init__(self, sink: Sink, counted: bool, **kwargs) -> None:
+        limit = sink.behaviour.command_size_limit
+        if limit is not None:  # the stream reader is sized in SMTP.__init__
+            self.line_length_limit = max(SMTP.line_length_limit, limit)
         super().__init__(_SinkHandler(sink), **kwargs)
         self.sink = sink
         # The controller's own start-up probe is neither counted nor served
@@ -161,6 +169,10 @@ class _SinkSMTP(SMTP):
         self.conn_id = 0
         self.greeted = False
         self.raw_arg = ""
+        if limit is not None:
+            # Per connection (aiosmtpd's dict is class-level and every EHLO grows it).
+            self.command_size_limit = limit
+            self.command_size_limits = collections.defaultdict(lambda: limit)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         first = self.transport is None
