@@ -513,12 +513,13 @@ def _write_hints(rnd: _Round) -> None:
     """The round's retry data, in a savepoint: it is a hint (deleting it is always
     safe), so data that cannot be written is logged and dropped, never the
     round's recorded outcomes with it. A lost connection is still an outage."""
-    if not rnd.hints and not rnd.cleared_hints:
+    if rnd.cleared_hints:
+        retry.forget_hints(rnd.cleared_hints)  # a DELETE by bounded keys: cannot fail on data
+    if not rnd.hints:
         return
     try:
         with transaction.atomic():
             retry.store_hints(rnd.hints)
-            retry.forget_hints(rnd.cleared_hints)
     except Exception as exc:
         if is_outage(exc):
             raise
