@@ -613,6 +613,12 @@ class InboundSMTP(AiosmtpdSession):
             return True
         return False
 
+    async def bad_command(self, reply: str) -> None:
+        """A malformed MAIL or RCPT: its error reply, but it counts toward the junk
+        command limit like a command that moves no message (421 and closed past it)."""
+        if not self.count_junk():
+            await self.push(reply)
+
     def _goodbye(self, reply: str = replies.SHUTTING_DOWN) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -702,14 +708,14 @@ class InboundSMTP(AiosmtpdSession):
             return
         rest = command_argument("FROM:", arg or "")
         if rest is None:
-            await self.push(replies.MAIL_SYNTAX)
+            await self.bad_command(replies.MAIL_SYNTAX)
             return
         try:
             sender, params = policy.parse_mail(
                 rest, extended=self.session.extended_smtp, max_size=self.config.max_message_size
             )
         except policy.Refused as refused:
-            await self.push(refused.reply)
+            await self.bad_command(refused.reply)
             return
         if self.grant is not None:
             refusal = await self._account_refusal(self.grant, sender.address if sender else "")
@@ -746,14 +752,14 @@ class InboundSMTP(AiosmtpdSession):
             return
         rest = command_argument("TO:", arg or "")
         if rest is None:
-            await self.push(replies.RCPT_SYNTAX)
+            await self.bad_command(replies.RCPT_SYNTAX)
             return
         try:
             recipient, params = policy.parse_rcpt(
                 rest, extended=self.session.extended_smtp, utf8=envelope.params.smtputf8
             )
         except policy.Refused as refused:
-            await self.push(refused.reply)
+            await self.bad_command(refused.reply)
             return
         refusal = policy.recipient_refusal(
             recipient, trusted=self.may_relay, accepted_domains=self.config.accepted_domains
