@@ -448,6 +448,10 @@ MAILRELAY_MTA_STS_PORT = env_int("MAILRELAY_MTA_STS_PORT", 443)
 # The path of a file of "next-hop username:password [allow-cleartext]" lines;
 # with MAILRELAY_SMTP_AUTH_FILE (a mounted secret) the value is those lines.
 MAILRELAY_SMTP_AUTH = env_str("MAILRELAY_SMTP_AUTH", "")
+# Send those credentials over TLS whose certificate was not verified (policy may/encrypt)?
+MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS = env_bool(
+    "MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS", False
+)
 
 # --- message tracking and webhooks (README "Message tracking and webhooks")
 MAILRELAY_TRACKING_RETENTION = env_duration("MAILRELAY_TRACKING_RETENTION", "30d")
