@@ -143,7 +143,7 @@ def test_two_ingress_processes_share_one_limit(submission, tls_files):
 
 def test_an_account_is_limited_whatever_the_address(submission, tls_files):
     accounts.create_account("bob", PASSWORD)
-    ingress = submission(max_auth_failures=5, max_auth_failures_per_user=3)
+    ingress = submission(max_auth_failures=5, max_auth_failures_per_user=3, junk_command_limit=5)
     replies = []
     for n in range(2, 7):  # one guess from each of five addresses
         with tls_session(ingress, tls_files, f"127.0.0.{n}") as client:
@@ -153,6 +153,9 @@ def test_an_account_is_limited_whatever_the_address(submission, tls_files):
     with tls_session(ingress, tls_files, "127.0.0.9") as client:
         assert auth(client, "alice", PASSWORD)[0] == 454  # locked: the right password too
         assert auth(client, "bob", PASSWORD)[0] == 235  # the address is not
+    # A refusal costs no hash; it counts as a junk command (EHLO twice, then three).
+    with tls_session(ingress, tls_files, "127.0.0.10") as client:
+        assert [auth(client, "alice", PASSWORD)[0] for _ in range(4)] == [454, 454, 454, 421]
     locked = Event.objects.filter(kind="smtp_auth_failed", data__locked_out=True)
     assert [e.data["locked"] for e in locked] == ["user name"]
 

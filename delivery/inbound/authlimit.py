@@ -42,6 +42,7 @@ ADDRESS = "address"
 USERNAME = "user name"
 _PREFIX = "smtpauth"
 _WARN_EVERY = 60.0
+_LEARNT_MAX = 10_000  # lockouts remembered for the connection check (the cache has them all)
 
 
 def _share(total: int, processes: int) -> int:
@@ -245,7 +246,12 @@ class AuthLimiter:
     def _learn(self, address: str, key: str) -> None:
         """Remember until when ``address`` is refused, for ``locked_out`` at connect."""
         until = cache.get(f"{key}:until")
-        self._locked[address] = float(until) if until is not None else time.time() + self.window
+        now = time.time()
+        if len(self._locked) >= _LEARNT_MAX:  # many guessers: forget the lockouts over
+            for old in [a for a, t in list(self._locked.items()) if t <= now]:
+                self._locked.pop(old, None)
+        if len(self._locked) < _LEARNT_MAX:
+            self._locked[address] = float(until) if until is not None else now + self.window
 
     def _warn(self, text: str) -> None:
         now = time.monotonic()

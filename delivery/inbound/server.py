@@ -1001,7 +1001,8 @@ class InboundSMTP(AiosmtpdSession):
             log.warning(
                 "%s: AUTH refused for %r: too many failures", self.client_ip, username[:150]
             )
-            await self.push(replies.AUTH_ACCOUNT_LOCKED)
+            if not self.count_junk():  # costs no hash: bounded as junk commands are
+                await self.push(replies.AUTH_ACCOUNT_LOCKED)
             return
         if outcome.grant is not None:
             self.grant = outcome.grant
