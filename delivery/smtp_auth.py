@@ -12,8 +12,11 @@ or ``[host]`` for a host used as is, ``host:port`` or ``host`` for a name
 (looked up for MX); a line also matches a host it expands to, and the MX host
 names themselves. The password is everything after the first colon (it may
 contain colons, not spaces). Credentials are never sent without TLS unless
-the line says ``allow-cleartext``. With ``MAILRELAY_SMTP_AUTH_FILE`` (a mounted
-secret) the setting's value is the file's content itself.
+the line says ``allow-cleartext``, nor over TLS whose certificate was not
+verified (policy ``may``/``encrypt``) unless the line says ``allow-cleartext``
+or ``MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS`` is set (``smtp_client``). With
+``MAILRELAY_SMTP_AUTH_FILE`` (a mounted secret) the setting's value is the
+file's content itself.
 """
 
 from __future__ import annotations

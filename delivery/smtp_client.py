@@ -100,6 +100,7 @@ END_OF_DATA = "end of data"
 # Next hops on this port speak TLS from the first byte (RFC 8314 "submissions").
 IMPLICIT_TLS_PORT = 465
 AUTH_FAILED = "auth_failed"  # Exim's error name for a refused AUTH
+VERIFIED_PEER = ("ca", "mta-sts", "dane")  # TlsSecurity.verified values that checked the peer
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
@@ -134,6 +135,9 @@ class ClientConfig:
     # Source addresses to bind (at most one IPv4, one IPv6; delivery.shaping):
     # the one of the target's family is used, none of it: the system's choice.
     source_address: tuple[str, ...] = ()
+    # AUTH credentials over TLS whose certificate was not verified (MITM-able):
+    # refused unless the operator allows it (MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS).
+    auth_over_unverified_tls: bool = False
 
     @classmethod
     def from_settings(cls) -> ClientConfig:
@@ -148,6 +152,7 @@ class ClientConfig:
             data_timeout=seconds(data) if data is not None else max(command, MIN_DATA_TIMEOUT),
             max_messages_per_connection=int(settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION),
             max_connections=int(settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION),
+            auth_over_unverified_tls=settings.MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS,
         )
 
 
@@ -638,8 +643,10 @@ class _Connection:
 
     async def authenticate(self, creds: Credentials) -> None:
         """AUTH PLAIN, else LOGIN (RFC 4954); never in cleartext unless the
-        credentials allow it. A 5xx is Exim's ``auth_failed``: that next hop
-        will refuse every connection the same way."""
+        credentials allow it, and over TLS only when the peer's certificate was
+        verified (a ``verify``/``secure``/``dane`` or MTA-STS policy) unless the
+        operator allows unverified TLS. A 5xx is Exim's ``auth_failed``: that
+        next hop will refuse every connection the same way."""
         host = self.target.host
         if not self.tls and not creds.allow_cleartext:
             raise _SessionFailed(
@@ -647,6 +654,17 @@ class _Connection:
                 None,
                 f"refusing to send AUTH credentials to {host} without TLS "
                 "(add allow-cleartext to its MAILRELAY_SMTP_AUTH line to allow it)",
+                error=TLS_REQUIRED,
+                enhanced=TLS_ENHANCED,
+            )
+        unverified = self.tls and self.security.verified not in VERIFIED_PEER
+        if unverified and not (creds.allow_cleartext or self.config.auth_over_unverified_tls):
+            raise _SessionFailed(
+                c.EHLO,
+                None,
+                f"refusing to send AUTH credentials to {host}: its TLS certificate was not "
+                f"verified (TLS policy {self.security.policy or 'may'}; give it the level verify, "
+                "secure or dane, or set MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS)",
                 error=TLS_REQUIRED,
                 enhanced=TLS_ENHANCED,
             )

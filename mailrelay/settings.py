@@ -266,8 +266,10 @@ MAILRELAY_TLS_KEY_FILE = env_str("MAILRELAY_TLS_KEY_FILE", "")
 # 587-style: STARTTLS required before AUTH and MAIL; 465-style: implicit TLS (RFC 8314).
 MAILRELAY_SUBMISSION_LISTEN = env_list("MAILRELAY_SUBMISSION_LISTEN", "")
 MAILRELAY_SUBMISSIONS_LISTEN = env_list("MAILRELAY_SUBMISSIONS_LISTEN", "")
-# AUTH failures from one client address within 15 minutes before it gets 421 4.7.0.
+# AUTH failures from one client address within 15 minutes before it gets 421 4.7.0,
+# and for one username from any address before it gets 454 4.7.0 (counted in the cache).
 MAILRELAY_AUTH_MAX_FAILURES = env_int("MAILRELAY_AUTH_MAX_FAILURES", 5)
+MAILRELAY_AUTH_MAX_FAILURES_PER_USER = env_int("MAILRELAY_AUTH_MAX_FAILURES_PER_USER", 10)
 # Inbound limits (Postfix's anvil and smtpd_* limits; README "Inbound policy").
 MAILRELAY_SMTP_MAX_CONNECTIONS = env_int("MAILRELAY_SMTP_MAX_CONNECTIONS", 1000)
 MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT = env_int("MAILRELAY_SMTP_MAX_CONNECTIONS_PER_CLIENT", 50)
@@ -453,6 +455,10 @@ MAILRELAY_MTA_STS_PORT = env_int("MAILRELAY_MTA_STS_PORT", 443)
 # The path of a file of "next-hop username:password [allow-cleartext]" lines;
 # with MAILRELAY_SMTP_AUTH_FILE (a mounted secret) the value is those lines.
 MAILRELAY_SMTP_AUTH = env_str("MAILRELAY_SMTP_AUTH", "")
+# Send those credentials over TLS whose certificate was not verified (policy may/encrypt)?
+MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS = env_bool(
+    "MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS", False
+)
 
 # --- message tracking and webhooks (README "Message tracking and webhooks")
 MAILRELAY_TRACKING_RETENTION = env_duration("MAILRELAY_TRACKING_RETENTION", "30d")

@@ -212,6 +212,30 @@ def test_junk_commands_past_the_limit_get_421(start_ingress, command):
         assert client.closed_by_server()
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        "MAIL FROM:<no-at-sign>",
+        "MAIL FROM <a@example.org>",
+        "MAIL FROM:<a@example.org> BOGUS=1",
+        "RCPT TO:<not an address>",
+        "RCPT <b@example.net>",
+    ],
+)
+def test_bad_mail_and_rcpt_commands_count_toward_the_limit(start_ingress, command):
+    ingress = untrusted(start_ingress, junk_command_limit=5)
+    with ingress.raw() as client:
+        client.command("EHLO client.test")  # counts: one of the five
+        if command.startswith("RCPT"):
+            assert client.command("MAIL FROM:<a@example.org>")[0] == 250
+        for _ in range(4):
+            code, lines = client.command(command)
+            assert code in (501, 553, 555) and lines[0][:2] == "5."
+        code, lines = client.command(command)
+        assert (code, lines[0][:6]) == (421, "4.7.0 ")
+        assert client.closed_by_server()
+
+
 def test_an_accepted_message_restores_the_junk_command_budget(start_ingress):
     ingress = start_ingress(junk_command_limit=3)
     with ingress.raw() as client:

@@ -47,8 +47,7 @@ import os
 import re
 import resource
 import ssl
-import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -59,8 +58,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 
 from delivery.backpressure.samplers import InFlight
-from delivery.inbound import policy, replies
+from delivery.inbound import authlimit, policy, replies
 from delivery.inbound.aiosmtpd_adapter import AiosmtpdSession
+from delivery.inbound.authlimit import AuthLimiter
 from delivery.inbound.dbthreads import DatabaseExecutor
 from delivery.inbound.doorbell import CoalescedBell
 from delivery.inbound.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
@@ -93,7 +93,6 @@ RELEASE_CONNECTION_ABOVE = 8 * 1024 * 1024
 SMTP_LISTENER = "smtp"
 SUBMISSION = "submission"
 SUBMISSIONS = "submissions"
-AUTH_FAILURE_WINDOW = 15 * 60.0  # seconds: failures counted per client address
 AUTH_MECHANISMS = ("PLAIN", "LOGIN")
 
 _RECEIVED = re.compile(rb"^received[ \t]*:", re.IGNORECASE | re.MULTILINE)
@@ -120,7 +119,10 @@ class InboundConfig:
     max_session_time: float = 3600.0
     junk_command_limit: int = 100
     min_data_rate: int = 500  # bytes/second during DATA
-    max_auth_failures: int = 5  # per client address within AUTH_FAILURE_WINDOW; 0 = no limit
+    # AUTH failures within AUTH_FAILURE_WINDOW (authlimit, shared in the cache); 0 = no limit
+    max_auth_failures: int = 5  # per client address
+    max_auth_failures_per_user: int = 10  # per username, from any address
+    processes: int = 1  # runsmtp processes: each one's share of the limits when the cache is down
 
     @classmethod
     def from_settings(cls) -> InboundConfig:
@@ -140,6 +142,7 @@ class InboundConfig:
             junk_command_limit=settings.MAILRELAY_SMTP_JUNK_COMMAND_LIMIT,
             min_data_rate=settings.MAILRELAY_SMTP_MIN_DATA_RATE,
             max_auth_failures=settings.MAILRELAY_AUTH_MAX_FAILURES,
+            max_auth_failures_per_user=settings.MAILRELAY_AUTH_MAX_FAILURES_PER_USER,
         )
 
 
@@ -224,44 +227,6 @@ class TlsCertificate:
 
         context.sni_callback = switch  # type: ignore[assignment]
         return context
-
-
-class AuthFailures:
-    """Failed AUTH per client address (an IPv6 /64) in a sliding window (Postfix's
-    anvil counts the same way); past the limit the address is refused until
-    its oldest counted failure leaves the window. Per process."""
-
-    def __init__(self, limit: int, window: float = AUTH_FAILURE_WINDOW) -> None:
-        self.limit = limit
-        self.window = window
-        self._times: dict[str, deque[float]] = {}
-
-    def _recent(self, key: str, now: float) -> deque[float] | None:
-        times = self._times.get(key)
-        if times is None:
-            return None
-        while times and times[0] <= now - self.window:
-            times.popleft()
-        if not times:
-            del self._times[key]
-            return None
-        return times
-
-    def locked_out(self, key: str, now: float | None = None) -> bool:
-        if self.limit <= 0:
-            return False
-        times = self._recent(key, time.monotonic() if now is None else now)
-        return times is not None and len(times) >= self.limit
-
-    def add(self, key: str, now: float | None = None) -> bool:
-        """Count one failure; True if the address is now refused."""
-        now = time.monotonic() if now is None else now
-        times = self._recent(key, now) or self._times.setdefault(key, deque())
-        times.append(now)
-        # Keep no more than the limit needs: a client hammering costs no memory.
-        while self.limit > 0 and len(times) > self.limit:
-            times.popleft()
-        return self.locked_out(key, now)
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -613,6 +578,12 @@ class InboundSMTP(AiosmtpdSession):
             return True
         return False
 
+    async def bad_command(self, reply: str) -> None:
+        """A malformed MAIL or RCPT: its error reply, but it counts toward the junk
+        command limit like a command that moves no message (421 and closed past it)."""
+        if not self.count_junk():
+            await self.push(reply)
+
     def _goodbye(self, reply: str = replies.SHUTTING_DOWN) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -702,14 +673,14 @@ class InboundSMTP(AiosmtpdSession):
             return
         rest = command_argument("FROM:", arg or "")
         if rest is None:
-            await self.push(replies.MAIL_SYNTAX)
+            await self.bad_command(replies.MAIL_SYNTAX)
             return
         try:
             sender, params = policy.parse_mail(
                 rest, extended=self.session.extended_smtp, max_size=self.config.max_message_size
             )
         except policy.Refused as refused:
-            await self.push(refused.reply)
+            await self.bad_command(refused.reply)
             return
         if self.grant is not None:
             refusal = await self._account_refusal(self.grant, sender.address if sender else "")
@@ -746,14 +717,14 @@ class InboundSMTP(AiosmtpdSession):
             return
         rest = command_argument("TO:", arg or "")
         if rest is None:
-            await self.push(replies.RCPT_SYNTAX)
+            await self.bad_command(replies.RCPT_SYNTAX)
             return
         try:
             recipient, params = policy.parse_rcpt(
                 rest, extended=self.session.extended_smtp, utf8=envelope.params.smtputf8
             )
         except policy.Refused as refused:
-            await self.push(refused.reply)
+            await self.bad_command(refused.reply)
             return
         refusal = policy.recipient_refusal(
             recipient, trusted=self.may_relay, accepted_domains=self.config.accepted_domains
@@ -932,7 +903,7 @@ class InboundSMTP(AiosmtpdSession):
             return replies.AUTH_NEEDS_EHLO
         if not self.tls_active:
             return replies.AUTH_NEEDS_TLS
-        if self.server.auth_failures.locked_out(client_key(self.client_ip)):
+        if self.server.auth_limiter.locked_out(client_key(self.client_ip)):
             return replies.AUTH_LOCKED_OUT
         if self.grant is not None:
             return replies.AUTH_ALREADY
@@ -945,15 +916,33 @@ class InboundSMTP(AiosmtpdSession):
         """Send a 334 challenge and read the client's base64 answer; None (and 501) if
         it aborts with "*" or is not base64. The answer is never logged."""
         await self.push("334 " + base64.b64encode(prompt).decode("ascii"))
-        line = await self.reader.readline()
-        if not line.endswith(b"\n"):
-            raise asyncio.CancelledError()  # the client went away mid-AUTH
+        line = await self._answer_line()
         self.restart_idle_timer()
+        if line is None:
+            log.warning("%s: AUTH answer too long; refused", self.client_ip)
+            await self.push(replies.AUTH_LINE_TOO_LONG)
+            return None
         answer = line.strip()
         if answer == b"*":
             await self.push(replies.AUTH_ABORTED)
             return None
         return await self._decoded(answer.decode("ascii", "replace"))
+
+    async def _answer_line(self) -> bytes | None:
+        """The client's answer to a 334, to its LF; None when it is longer than the
+        reader's limit (64 KiB): then it is read to its end and dropped, in step."""
+        reader = self.reader
+        too_long = False
+        while True:
+            try:
+                line = await reader.readuntil(b"\n")
+            except asyncio.LimitOverrunError as exc:
+                await reader.read(exc.consumed)  # bytes that hold no LF: dropped
+                too_long = True
+                continue
+            except asyncio.IncompleteReadError:
+                raise asyncio.CancelledError() from None  # the client went away mid-AUTH
+            return None if too_long else line
 
     async def _decoded(self, text: str) -> bytes | None:
         """``text`` decoded from base64; None (and 501) when it is not base64."""
@@ -988,25 +977,48 @@ class InboundSMTP(AiosmtpdSession):
         return username.decode("utf-8", "replace"), password.decode("utf-8", "replace")
 
     async def _check_credentials(self, mechanism: str, username: str, password: str) -> None:
-        """The hash check in a database thread (it costs milliseconds), then 235 or 535."""
+        """Reserve the attempt, check the hash (a database thread: it costs
+        milliseconds), then 235, 535, or the lockout (``authlimit``)."""
         try:
-            grant = await self.server.in_database(accounts.authenticate, username, password)
+            outcome = await self.server.in_database(
+                authlimit.attempt,
+                self.server.auth_limiter,
+                client_key(self.client_ip),
+                username,
+                password,
+            )
         except Exception:
             log.exception("%s: AUTH could not be checked", self.client_ip)
             await self.push(replies.AUTH_UNAVAILABLE)
             return
         del password
-        if grant is not None:
-            self.grant = grant
+        assert isinstance(outcome, authlimit.Outcome)
+        if outcome.refused == authlimit.ADDRESS:
+            log.warning("%s: AUTH refused: too many failures from this address", self.client_ip)
+            self._goodbye(replies.AUTH_LOCKED_OUT)
+            return
+        if outcome.refused == authlimit.USERNAME:
+            log.warning(
+                "%s: AUTH refused for %r: too many failures", self.client_ip, username[:150]
+            )
+            if not self.count_junk():  # costs no hash: bounded as junk commands are
+                await self.push(replies.AUTH_ACCOUNT_LOCKED)
+            return
+        if outcome.grant is not None:
+            self.grant = outcome.grant
             log.info("%s: authenticated as %s (%s)", self.client_ip, username, mechanism)
             await self.push(replies.AUTH_OK)
             return
-        locked = self.server.auth_failures.add(client_key(self.client_ip))
         log.warning("%s: AUTH %s failed for %r", self.client_ip, mechanism, username[:150])
         client = str(self.client_ip) if self.client_ip else None
         try:
             await self.server.in_database(
-                accounts.record_auth_failure, client, username, mechanism, locked_out=locked
+                accounts.record_auth_failure,
+                client,
+                username,
+                mechanism,
+                locked_out=outcome.locked is not None,
+                locked=outcome.locked or authlimit.ADDRESS,
             )
         except Exception:  # noqa: BLE001 - the reply matters more than the event
             log.warning("could not record an AUTH failure event", exc_info=True)
@@ -1105,7 +1117,11 @@ class InboundServer:
         self.per_client: Counter[str] = Counter()  # open sessions per client_key
         self.addresses: list[tuple[str, int]] = []
         self.bound: dict[str, list[tuple[str, int]]] = {}  # listener kind → its addresses
-        self.auth_failures = AuthFailures(config.max_auth_failures)
+        self.auth_limiter = AuthLimiter(
+            config.max_auth_failures,
+            config.max_auth_failures_per_user,
+            processes=config.processes,
+        )
         self._listeners: list[asyncio.Server] = []
         self._stores: set[asyncio.Future] = set()
         self._stopping = False
@@ -1208,7 +1224,7 @@ class InboundServer:
         if config.max_connections and len(self.sessions) >= config.max_connections:
             log.warning("refused %s: %d connections open", session.client_ip, len(self.sessions))
             return replies.TOO_MANY_CONNECTIONS
-        if session.kind != SMTP_LISTENER and self.auth_failures.locked_out(
+        if session.kind != SMTP_LISTENER and self.auth_limiter.locked_out(
             client_key(session.client_ip)
         ):
             log.warning("refused %s: too many AUTH failures", session.client_ip)

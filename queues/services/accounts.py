@@ -238,7 +238,13 @@ def authenticate(username: str, password: str) -> Grant | None:
     if account is None:
         make_password(password)  # one hash run, as a check costs (Django's ModelBackend)
         return None
-    if not _password_matches(account, password) or not account.enabled:
+    if not account.enabled:
+        # Never the cache of verified passwords: its quick answer would tell a
+        # disabled account's right password from a wrong one. A full check, as
+        # a wrong password costs, and never a success.
+        check_password(password, account.password)
+        return None
+    if not _password_matches(account, password):
         return None
     SmtpAccount.objects.filter(pk=account.pk).update(last_login_at=clock.now())
     return Grant(
@@ -282,13 +288,20 @@ def rate_limited(grant: Grant) -> bool:
 
 
 def record_auth_failure(
-    client_address: str | None, username: str, mechanism: str, *, locked_out: bool
+    client_address: str | None,
+    username: str,
+    mechanism: str,
+    *,
+    locked_out: bool,
+    locked: str = "address",
 ) -> None:
-    """An Event for one failed AUTH (the password is never recorded)."""
+    """An Event for one failed AUTH (the password is never recorded); ``locked``:
+    what this failure locked ("address" or "user name"), when ``locked_out``."""
     shown = "".join(ch if ch.isprintable() else "?" for ch in username)[:MAX_USERNAME_LENGTH]
     text = f"SMTP AUTH {mechanism} failed for {shown!r} from {client_address or 'unknown'}"
     if locked_out:
-        text += "; too many failures: the address is refused for a while"
+        what = "the account" if locked == "user name" else "the address"
+        text += f"; too many failures: {what} is refused for a while"
     Event.objects.create(
         created_at=clock.now(),
         level=EventLevel.WARNING,
@@ -299,6 +312,7 @@ def record_auth_failure(
             "username": shown,
             "mechanism": mechanism,
             "locked_out": locked_out,
+            "locked": locked if locked_out else None,
         },
     )
 

@@ -15,11 +15,13 @@ CA (trustme) and a certificate for 127.0.0.1 and points the settings at it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import smtplib
 import socket
 import ssl
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -203,11 +205,16 @@ class RawClient:
 
 
 @pytest.fixture
-def start_ingress(transactional_db) -> Iterator[Callable[..., Ingress]]:
+def start_ingress(transactional_db, settings) -> Iterator[Callable[..., Ingress]]:
     """Start a server reading settings now; keyword arguments override InboundConfig fields.
 
-    ``db_threads=1`` makes every message use the same database thread.
+    ``db_threads=1`` makes every message use the same database thread. The
+    cache (the shared AUTH failure counters) gets a key prefix of this test's
+    own: every client here is 127.0.0.1, and a lockout must not outlive its test.
     """
+    caches = copy.deepcopy(settings.CACHES)
+    caches["default"]["KEY_PREFIX"] = f"test-{uuid.uuid4().hex}"
+    settings.CACHES = caches
     started: list[Ingress] = []
 
     def start(

@@ -175,9 +175,10 @@ class Command(BaseCommand):
                 # One client's connections land on the processes at random (the
                 # kernel's SO_REUSEPORT hash): a share per process would refuse a
                 # client below its limit. Each process keeps the whole per-client
-                # limit (the total above still holds). AUTH failures count per
-                # process, so each gets its share: a guesser gets no more tries.
-                max_auth_failures=share(config.max_auth_failures, child_of),
+                # limit (the total above still holds). AUTH failures count in the
+                # cache, shared by all; with the cache down each process counts
+                # its share (authlimit): a guesser gets no more tries either way.
+                processes=child_of,
             )
             if settings.MAILRELAY_NODE_NAME:  # the default (hostname:pid) is unique already
                 bp_config = dataclasses.replace(bp_config, node=f"{bp_config.node}/{child}")
