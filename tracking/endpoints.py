@@ -8,8 +8,9 @@ import re
 import secrets
 import socket
 from collections.abc import Iterable
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
+import idna
 from django.conf import settings
 
 from queues import clock
@@ -41,15 +42,85 @@ def clean_events(events: Iterable[str]) -> list[str]:
     return out
 
 
-def clean_url(url: str) -> str:
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+# What a URL may hold as is: printable ASCII; anything else in its path, query
+# or userinfo is percent-encoded (UTF-8), the host IDNA-encoded.
+_PRINTABLE = "".join(chr(c) for c in range(0x21, 0x7F))
+_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+MAX_URL = 2000  # WebhookEndpoint.url
+
+
+def _ascii_host(host: str) -> str:
+    """``host`` as sent: an IP literal as is, a name IDNA-encoded (UTS 46) and checked."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    name = host.rstrip(".")
+    if not name or len(name) > 253:
+        raise EndpointError(f"url: {host!r} is not a host name")
+    labels = []
+    for label in name.split("."):
+        if not label.isascii():
+            try:
+                label = idna.encode(label, uts46=True).decode("ascii")
+            except idna.IDNAError as exc:
+                raise EndpointError(f"url: {host!r} is not a valid host name ({exc})") from None
+        if not _LABEL.match(label):
+            raise EndpointError(f"url: {host!r} is not a valid host name (label {label!r})")
+        labels.append(label.lower())
+    ascii_name = ".".join(labels)
+    if len(ascii_name) > 253:
+        raise EndpointError(f"url: {host!r} is not a host name (longer than 253)")
+    return ascii_name
+
+
+def normalize_url(url: str) -> str:
+    """``url`` as it is stored and POSTed to: http(s), a valid host (IDNA-encoded),
+    a valid port, no blank or control character, the rest percent-encoded to
+    ASCII. Raises EndpointError naming what is wrong (the API's 400, the UI's
+    message): the sender can always send to a URL this returned."""
+    url = url.strip()
+    if any(c.isspace() or ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in url):
+        raise EndpointError("url: no blank or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+        hostname = parts.hostname
+    except ValueError as exc:
+        raise EndpointError(f"url: {exc}") from None
+    if parts.scheme.lower() not in ("http", "https") or not hostname:
         raise EndpointError("url: an http:// or https:// URL")
+    if port == 0:
+        raise EndpointError("url: port 0")
+    host = _ascii_host(hostname)
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None:
+        netloc += f":{port}"
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    if at:
+        netloc = quote(userinfo, safe=_PRINTABLE) + "@" + netloc
+    out = urlunsplit(
+        (
+            parts.scheme.lower(),
+            netloc,
+            quote(parts.path, safe=_PRINTABLE) or "/",
+            quote(parts.query, safe=_PRINTABLE),
+            quote(parts.fragment, safe=_PRINTABLE),
+        )
+    )
+    if len(out) > MAX_URL:
+        raise EndpointError(f"url: longer than {MAX_URL} characters")
+    return out
+
+
+def clean_url(url: str) -> str:
+    url = normalize_url(url)
+    parts = urlsplit(url)
     if not settings.MAILRELAY_WEBHOOK_ALLOW_PRIVATE:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
             addresses = resolve(parts.hostname, port)
-        except OSError:
+        except (OSError, UnicodeError):
             addresses = []  # not resolvable now: the sender checks at each POST
         private = [a for a in addresses if not is_public(a)]
         if private:
@@ -57,7 +128,7 @@ def clean_url(url: str) -> str:
                 f"url: {parts.hostname} is a private address ({private[0]}), refused as "
                 "MAILRELAY_WEBHOOK_ALLOW_PRIVATE is false"
             )
-    return url.strip()
+    return url
 
 
 def is_public(address: str) -> bool:
