@@ -6,19 +6,22 @@ slow receiver does not hold the others. Real receivers on loopback."""
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from django.apps import apps as django_apps
 from django.test import Client
 
 from queues import clock
+from queues.models import AuditEntry
 from tests.support.operator_factories import make_user
 from tests.test_webhook_sender import pending
 from tests.test_webhooks import Receiver, free_port
-from tracking import endpoints, outbox, sender
+from tracking import outbox, sender
 from tracking.models import DeliveryState, WebhookAttempt, WebhookEndpoint
 
 pytestmark = pytest.mark.django_db
@@ -145,3 +148,65 @@ def test_a_slow_receiver_does_not_delay_another_endpoint(settings, receiver):
     assert fast_after < 0.5  # not after the slow one's second
     assert 1.0 <= total < 2.0
     assert set(WebhookAttempt.objects.values_list("status", flat=True)) == {204}
+
+
+CREDENTIALED = "https://hook:pa55word@siem.example.com/in?token=t0ken-abc&tenant=acme"
+
+
+def test_viewers_never_read_webhook_credentials_in_the_audit_log(admin):
+    body = {"name": "siem", "url": CREDENTIALED, "events": ["delivered"]}
+    created = admin.post("/api/v1/webhooks/", body, content_type="application/json")
+    assert created.status_code == 201
+    pk = created.json()["id"]
+    secret = created.json()["secret"]
+    changed = admin.patch(
+        f"/api/v1/webhooks/{pk}/",
+        {"url": CREDENTIALED.replace("t0ken-abc", "t0ken-new")},
+        content_type="application/json",
+    )
+    assert changed.status_code == 200
+    admin.post(f"/webhooks/{pk}/rotate-secret/")
+    viewer = Client()
+    viewer.force_login(make_user("viewer", "vera"))
+    for page in ("/api/v1/audit/", "/audit/"):
+        text = viewer.get(page).content.decode()
+        assert "siem.example.com/in" in text  # which endpoint, where
+        for credential in ("pa55word", "t0ken-abc", "t0ken-new", "acme", secret):
+            assert credential not in text, (page, credential)
+    details = list(AuditEntry.objects.order_by("id").values_list("detail", flat=True))
+    assert len(details) == 3
+    assert details[0] == (
+        "siem https://hook:***@siem.example.com/in?token=***&tenant=*** events=delivered"
+    )
+    # The endpoint itself keeps its URL: the sender needs it, admins see it.
+    assert WebhookEndpoint.objects.get().url == CREDENTIALED.replace("t0ken-abc", "t0ken-new")
+
+
+def test_audit_entries_written_before_are_redacted_by_the_migration():
+    migration = importlib.import_module("tracking.migrations.0004_redact_webhook_audit")
+    old = [
+        AuditEntry.objects.create(
+            created_at=clock.now(),
+            actor_name="root",
+            via="api",
+            action="webhook_create",
+            target_type="webhook",
+            detail=f"siem {url} events=delivered",
+        )
+        for url in (CREDENTIALED, "http://T0KEN@h.example/x?s3cret", "https://h.example/x")
+    ]
+    other = AuditEntry.objects.create(
+        created_at=clock.now(),
+        actor_name="root",
+        via="api",
+        action="queue_suspend",
+        target_type="queue",
+        detail="see https://wiki.example/q?id=7",
+    )
+    migration.forwards(django_apps, None)
+    assert [AuditEntry.objects.get(pk=e.pk).detail for e in old] == [
+        "siem https://hook:***@siem.example.com/in?token=***&tenant=*** events=delivered",
+        "siem http://***@h.example/x?*** events=delivered",
+        "siem https://h.example/x events=delivered",
+    ]
+    assert AuditEntry.objects.get(pk=other.pk).detail == other.detail  # not a webhook's

@@ -15,7 +15,7 @@ from django.conf import settings
 
 from queues import clock
 from queues.models import AuditEntry
-from tracking import outbox
+from tracking import outbox, redact
 from tracking.events import WEBHOOK_EVENTS
 from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
@@ -168,7 +168,8 @@ def _audit(actor, via: str, action: str, endpoint: WebhookEndpoint) -> None:
         target_type="webhook",
         target_ids=[endpoint.pk],
         count=1,
-        detail=f"{endpoint.name} {endpoint.url} events={','.join(endpoint.events)}",
+        # Viewers read the audit log: no userinfo password nor query value of the URL.
+        detail=f"{endpoint.name} {redact.url(endpoint.url)} events={','.join(endpoint.events)}",
     )
 
 
