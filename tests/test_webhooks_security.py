@@ -21,7 +21,7 @@ from queues.models import AuditEntry
 from tests.support.operator_factories import make_user
 from tests.test_webhook_sender import pending
 from tests.test_webhooks import Receiver, free_port
-from tracking import outbox, sender
+from tracking import endpoints, outbox, sender
 from tracking.models import DeliveryState, WebhookAttempt, WebhookEndpoint
 
 pytestmark = pytest.mark.django_db
@@ -210,3 +210,35 @@ def test_audit_entries_written_before_are_redacted_by_the_migration():
         "siem https://h.example/x events=delivered",
     ]
     assert AuditEntry.objects.get(pk=other.pk).detail == other.detail  # not a webhook's
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "[64:ff9b::7f00:1]",  # NAT64 of 127.0.0.1
+        "[64:ff9b::a9fe:a9fe]",  # NAT64 of 169.254.169.254
+        "[64:ff9b:1::a00:1]",  # local-use NAT64 prefix (RFC 8215)
+        "[2002:a00:1::1]",  # 6to4 of 10.0.0.1
+        "[2002:7f00:1::]",  # 6to4 of 127.0.0.1
+        "[::127.0.0.1]",  # IPv4-compatible
+        "[::a9fe:a9fe]",  # IPv4-compatible 169.254.169.254
+        "[::ffff:10.0.0.1]",  # IPv4-mapped (refused before too)
+    ],
+)
+def test_the_private_guard_sees_ipv4_inside_ipv6(admin, settings, host):
+    settings.MAILRELAY_WEBHOOK_ALLOW_PRIVATE = False
+    body = {"name": "x", "url": f"http://{host}/in", "events": ["delivered"]}
+    refused = admin.post("/api/v1/webhooks/", body, content_type="application/json")
+    assert refused.status_code == 400 and "private address" in refused.content.decode()
+    # At send time too (a row of an endpoint saved while they were allowed).
+    ep = stored("old", f"http://{host}:9/in")
+    pending(ep, 1)
+    sender.send_due()
+    assert WebhookAttempt.objects.get(endpoint=ep).error.startswith("refused:")
+
+
+def test_public_ipv4_inside_ipv6_stays_allowed(settings):
+    settings.MAILRELAY_WEBHOOK_ALLOW_PRIVATE = False
+    for address in ("64:ff9b::5db8:d822", "2002:5db8:d822::1", "2606:2800:220:1::1"):
+        assert endpoints.is_public(address), address
+    assert not endpoints.is_public("::1") and not endpoints.is_public("::")

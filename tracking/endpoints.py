@@ -131,11 +131,32 @@ def clean_url(url: str) -> str:
     return url
 
 
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: the IPv4 address in the last 32 bits
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: a local network's own
+_V4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries to its host: IPv4-mapped
+    (::ffff:a.b.c.d), NAT64 (64:ff9b::a.b.c.d), 6to4 (2002:AABB:CCDD::) or
+    IPv4-compatible (::a.b.c.d); None for the others."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in _NAT64 or (ip in _V4_COMPATIBLE and int(ip) > 1):  # not :: nor ::1
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def is_public(address: str) -> bool:
-    """False for loopback, RFC 1918, link-local (169.254.169.254), CGNAT, ULA…"""
+    """False for loopback, RFC 1918, link-local (169.254.169.254), CGNAT, ULA…,
+    and for an IPv6 address that carries one of those IPv4 addresses."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return False
+        ip = embedded_ipv4(ip) or ip
     return ip.is_global and not ip.is_multicast
 
 
