@@ -242,3 +242,54 @@ def test_public_ipv4_inside_ipv6_stays_allowed(settings):
     for address in ("64:ff9b::5db8:d822", "2002:5db8:d822::1", "2606:2800:220:1::1"):
         assert endpoints.is_public(address), address
     assert not endpoints.is_public("::1") and not endpoints.is_public("::")
+
+
+def test_a_weak_secret_is_refused_and_none_gets_a_strong_one(admin):
+    body = {"name": "siem", "url": "https://siem.example.com/in", "events": ["delivered"]}
+    weak = admin.post(
+        "/api/v1/webhooks/", {**body, "secret": "hunter2"}, content_type="application/json"
+    )
+    assert weak.status_code == 400 and "32" in weak.json()["secret"][0]
+    ui = admin.post("/webhooks/", {**body, "secret": "hunter2"})
+    assert "secret: at least 32 characters" in ui.content.decode()
+    assert not WebhookEndpoint.objects.exists()
+    created = admin.post("/api/v1/webhooks/", body, content_type="application/json")
+    assert created.status_code == 201 and len(created.json()["secret"]) >= 32
+    pk = created.json()["id"]
+    again = admin.patch(
+        f"/api/v1/webhooks/{pk}/", {"secret": "y" * 31}, content_type="application/json"
+    )
+    assert again.status_code == 400
+    admin.post(f"/webhooks/{pk}/", {"url": body["url"], "events": ["delivered"], "secret": "z" * 8})
+    assert WebhookEndpoint.objects.get().secret == created.json()["secret"]  # kept
+    own = admin.patch(
+        f"/api/v1/webhooks/{pk}/", {"secret": "y" * 32}, content_type="application/json"
+    )
+    assert own.status_code == 200 and WebhookEndpoint.objects.get().secret == "y" * 32
+
+
+def test_an_http_url_is_saved_with_a_warning(admin):
+    body = {"name": "siem", "url": "http://siem.example.com/in", "events": ["delivered"]}
+    created = admin.post("/api/v1/webhooks/", body, content_type="application/json")
+    assert created.status_code == 201
+    (warning,) = created.json()["warnings"]
+    assert "http://" in warning and "https://" in warning
+    pk = created.json()["id"]
+    changed = admin.patch(
+        f"/api/v1/webhooks/{pk}/", {"enabled": False}, content_type="application/json"
+    )
+    assert changed.json()["warnings"] == [warning]
+    secure = admin.patch(
+        f"/api/v1/webhooks/{pk}/",
+        {"url": "https://siem.example.com/in"},
+        content_type="application/json",
+    )
+    assert secure.json()["warnings"] == []
+    ui = admin.post("/webhooks/", {**body, "name": "ui"}, follow=True)
+    assert warning in ui.content.decode()
+    ui_saved = admin.post(
+        f"/webhooks/{WebhookEndpoint.objects.get(name='ui').pk}/",
+        {"url": body["url"], "events": ["delivered"]},
+        follow=True,
+    )
+    assert warning in ui_saved.content.decode()

@@ -174,6 +174,27 @@ def new_secret() -> str:
     return secrets.token_urlsafe(32)
 
 
+MIN_SECRET = 32
+HTTP_WARNING = (
+    "url: http:// sends every event and its signature in clear (anyone on the path reads "
+    "them, and may replay one while its timestamp is fresh); use https://"
+)
+
+
+def clean_secret(secret: str) -> str:
+    """A secret of one's own: at least ``MIN_SECRET`` characters ("": a random one)."""
+    if secret and len(secret) < MIN_SECRET:
+        raise EndpointError(
+            f"secret: at least {MIN_SECRET} characters (leave it empty for a random one)"
+        )
+    return secret
+
+
+def warnings(endpoint: WebhookEndpoint) -> list[str]:
+    """What is allowed but unwise about ``endpoint`` (the API's ``warnings``, the page's)."""
+    return [HTTP_WARNING] if endpoint.url.lower().startswith("http://") else []
+
+
 def secret_hint(secret: str) -> str:
     """What is shown of a secret after its creation: its last four characters."""
     return f"…{secret[-4:]}" if len(secret) >= 16 else "…"
@@ -213,7 +234,7 @@ def create(
         name=name.strip(),
         url=clean_url(url),
         events=clean_events(events),
-        secret=secret or new_secret(),
+        secret=clean_secret(secret) or new_secret(),
         enabled=enabled,
         created_at=now,
         updated_at=now,
@@ -224,12 +245,11 @@ def create(
 
 
 def update(actor, via: str, endpoint: WebhookEndpoint, **changes) -> WebhookEndpoint:
-    if "url" in changes:
-        endpoint.url = clean_url(changes["url"])
-    if "events" in changes:
-        endpoint.events = clean_events(changes["events"])
-    if changes.get("secret"):
-        endpoint.secret = changes["secret"]
+    # Everything checked before anything changes: a refused change changes nothing.
+    url = clean_url(changes["url"]) if "url" in changes else endpoint.url
+    events = clean_events(changes["events"]) if "events" in changes else endpoint.events
+    secret = clean_secret(changes.get("secret") or "") or endpoint.secret
+    endpoint.url, endpoint.events, endpoint.secret = url, events, secret
     if "enabled" in changes:
         endpoint.enabled = bool(changes["enabled"])
     endpoint.updated_at = clock.now()
