@@ -66,9 +66,16 @@ def parse_time(name: str, text: str, now: datetime) -> datetime:
     """``2d`` (that long ago) or an ISO 8601 time (UTC when it names no zone)."""
     text = text.strip()
     try:
-        return now - parse_duration(text)
+        ago = parse_duration(text)
     except (ValueError, TypeError):
         pass
+    except OverflowError:  # a duration past timedelta's days
+        raise SearchError(f"{name}: {text[:40]!r} is too long ago") from None
+    else:
+        try:
+            return now - ago
+        except OverflowError:  # before year 1
+            raise SearchError(f"{name}: {text[:40]!r} is too long ago") from None
     try:
         value = parse_datetime(text)
     except ValueError:
@@ -83,6 +90,9 @@ def parse_time(name: str, text: str, now: datetime) -> datetime:
 def parse_query(params: Mapping[str, str]) -> TrackingQuery:
     now = clock.now()
     query = TrackingQuery()
+    for name in PARAMETERS:  # PostgreSQL text holds no NUL: a clear 400, not a 500
+        if "\x00" in (params.get(name) or ""):
+            raise SearchError(f"{name}: no NUL character")
     for name in ("sender", "recipient", "message_id", "qid", "remote_id"):
         setattr(query, name, (params.get(name) or "").strip())
     kinds = [k.strip() for k in (params.get("event") or "").split(",") if k.strip()]
