@@ -100,8 +100,8 @@ def test_a_url_that_cannot_be_sent_to_is_refused_on_save(admin, settings, url, a
 
 
 def test_a_url_is_saved_idna_and_percent_encoded_and_posted_so(admin, receiver):
-    # The receiver on 127.0.0.1, named by an internationalised name is not possible
-    # here: the host part is checked on its own, the path on the receiver.
+    # The path and query percent-encoded (posted to the receiver); an
+    # internationalised host name IDNA-encoded (saved through the page).
     body = {
         "name": "siem",
         "url": f"http://127.0.0.1:{receiver.port}/hoöks?q=ä",
