@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from queues.filters import MESSAGE_FILTERS, QUEUE_FILTERS
 from tests.support.operator_factories import api_client, make_message, make_queue, make_user
+from tracking.search import PARAMETERS as TRACKING_PARAMETERS
 
 pytestmark = pytest.mark.django_db
 
@@ -77,9 +78,11 @@ UI_LISTS = {
     "/audit/": ["action", "actor", "target_type", "via", "since", "cursor"],
     "/deferrals/": ["queue"],
     "/live.json": ["queues", "messages"],
+    "/tracking/": [*TRACKING_PARAMETERS, "limit", "cursor"],
 }
 KINDS = {p.name: p.kind for p in (*MESSAGE_FILTERS, *QUEUE_FILTERS)} | {
     "since": "when",
+    "until": "when",
     "limit": "int",
     "top": "int",
     "cursor": "cursor",
@@ -143,8 +146,14 @@ def _list_endpoints(client) -> dict[str, list[str]]:
     return out
 
 
-def test_no_list_endpoint_answers_5xx_to_generated_parameters():
-    """Each query parameter of each list, with values of its kind, alone or with another."""
+# Every parameter of every list gets each of these (not left to sampling): the
+# values that broke a list before (NUL in a query, a duration past timedelta,
+# a number past bigint); dates and long text come through NASTY and BY_KIND.
+HOSTILE = ["a\x00b", "99999999999999d", "9" * 25]
+
+
+def _targets() -> tuple[dict, list[tuple[str, str, list[str]]]]:
+    """The clients by edge and role, and every list (edge, path, its parameters)."""
     queue = make_queue()
     make_message("u@example.net", queue=queue, last_text="greylisted 4.7.1 try later")
     roles = {role: make_user(role, f"fuzz-{role}") for role in ("viewer", "operator")}
@@ -155,9 +164,35 @@ def test_no_list_endpoint_answers_5xx_to_generated_parameters():
         ui[role].force_login(user)
     endpoints = _list_endpoints(api["operator"])
     assert "/api/v1/messages/" in endpoints and "older_than" in endpoints["/api/v1/messages/"]
+    assert {"since", "until", "message_id"} <= set(endpoints["/api/v1/tracking/"])
     assert len(endpoints) >= 7
     targets = [("api", path, names) for path, names in sorted(endpoints.items())]
     targets += [("ui", path, names) for path, names in sorted(UI_LISTS.items())]
+    return {"api": api, "ui": ui}, targets
+
+
+def test_no_list_parameter_answers_5xx_to_a_hostile_value():
+    """Each parameter of each list (API and Queue Viewer, tracking search included),
+    with each HOSTILE value: a 200, or a 4xx (the API's a JSON 400 naming it)."""
+    clients, targets = _targets()
+    checked = 0
+    for edge, path, names in targets:
+        # The operator sees every parameter (a viewer is refused message_id: 403).
+        client = clients[edge]["operator"]
+        for name in names:
+            for value in HOSTILE:
+                response = client.get(path, {name: value})
+                assert response.status_code < 500, (path, name, value[:30])
+                if edge == "api" and response.status_code == 400:
+                    assert response.json()["detail"], (path, name, value[:30])
+                checked += 1
+    assert checked > 200
+
+
+def test_no_list_endpoint_answers_5xx_to_generated_parameters():
+    """Each query parameter of each list, with values of its kind, alone or with another."""
+    clients, targets = _targets()
+    api, ui = clients["api"], clients["ui"]
     checked = 0
     for edge, path, names in targets:
         for name in names or ["x"]:

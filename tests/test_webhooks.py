@@ -27,7 +27,7 @@ from tracking.models import DeliveryState, TrackingEvent, WebhookAttempt, Webhoo
 pytestmark = pytest.mark.django_db
 
 BODY = b"From: a@example.org\r\nTo: x\r\nMessage-ID: <w1@example.org>\r\nSubject: t\r\n\r\nhi\r\n"
-SECRET = "s3cret-for-tests"
+SECRET = "s3cret-for-tests-of-at-least-32-chars"
 
 
 class Receiver:

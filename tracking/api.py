@@ -72,6 +72,7 @@ class EndpointSerializer(serializers.ModelSerializer):
         required=False, allow_blank=True, max_length=200, write_only=True
     )
     secret_hint = serializers.SerializerMethodField()
+    warnings = serializers.SerializerMethodField()
 
     class Meta:
         model = WebhookEndpoint
@@ -82,6 +83,7 @@ class EndpointSerializer(serializers.ModelSerializer):
             "events",
             "secret",
             "secret_hint",
+            "warnings",
             "enabled",
             "created_at",
             "updated_at",
@@ -90,6 +92,15 @@ class EndpointSerializer(serializers.ModelSerializer):
 
     def get_secret_hint(self, endpoint: WebhookEndpoint) -> str:
         return services.secret_hint(endpoint.secret)
+
+    def get_warnings(self, endpoint: WebhookEndpoint) -> list[str]:
+        return services.warnings(endpoint)
+
+    def validate_secret(self, value):
+        try:
+            return services.clean_secret(value)
+        except services.EndpointError as exc:
+            raise serializers.ValidationError(str(exc)) from None
 
     def validate_events(self, value):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -72,14 +72,19 @@ COLUMNS_PG = """
 INDEXES = (
     ("tracking_event_at", "(at)"),
     ("tracking_event_qid", "(qid, at)"),
-    ("tracking_event_msgid", "(message_id, at)"),
+    # A hash: a Message-ID is the sender's text, up to 998 characters of UTF-8 (about
+    # 4,000 bytes), more than a btree entry holds (2,704); search matches the hash
+    # and the text (tracking.search).
+    ("tracking_event_msgid_md5", "(md5(message_id), at)"),
     ("tracking_event_sender_nz", "(lower(sender), at)"),
     ("tracking_event_rcpt_nz", "(lower(recipient), at)"),
     ("tracking_event_remote", "(remote_id, at)"),
     ("tracking_event_event", "(event, at)"),
 )
 # Indexes of migration 0001 that 0002 replaced (dropped where they exist).
-REPLACED = ("tracking_event_sender", "tracking_event_rcpt")
+REPLACED = ("tracking_event_sender", "tracking_event_rcpt", "tracking_event_msgid")
+# What SQLite indexes instead (it has no md5() of its own, and no entry size limit).
+SQLITE_COLUMNS = {"tracking_event_msgid_md5": "(message_id, at)"}
 # Indexes dropped for good (migration 0002), with their definition for a rollback.
 DROPPED_DEFINITIONS: dict[str, str] = {}
 DROPPED = tuple(DROPPED_DEFINITIONS)
@@ -88,7 +93,7 @@ DROPPED = tuple(DROPPED_DEFINITIONS)
 # ``received`` rows have a Message-ID, only ``delivered`` a remote id,
 # message-wide rows have no recipient, DSNs have the null sender.
 PARTIAL = {
-    "tracking_event_msgid": "message_id <> ''",
+    "tracking_event_msgid_md5": "message_id <> ''",
     "tracking_event_remote": "remote_id <> ''",
     "tracking_event_sender_nz": "sender <> ''",
     "tracking_event_rcpt_nz": "recipient <> ''",
@@ -110,14 +115,16 @@ def create_table(vendor: str) -> list[str]:
             .replace("jsonb", "text")
         )
         statements = [f"CREATE TABLE {TABLE} ({columns})"]
-    statements.extend(create_indexes())
+    statements.extend(create_indexes(vendor))
     return statements
 
 
-def create_indexes() -> list[str]:
+def create_indexes(vendor: str = "postgresql") -> list[str]:
     """CREATE INDEX IF NOT EXISTS of every index (on the parent: every partition gets it)."""
     out = []
     for name, columns in INDEXES:
+        if vendor != "postgresql":
+            columns = SQLITE_COLUMNS.get(name, columns)
         where = f" WHERE {PARTIAL[name]}" if name in PARTIAL else ""
         out.append(f"CREATE INDEX IF NOT EXISTS {name} ON {TABLE} {columns}{where}")
     return out

@@ -143,7 +143,34 @@ def write(rows: Sequence[Row]) -> None:
         with transaction.atomic():
             insert(rows)
             outbox.enqueue(rows)
-    except DatabaseError:
-        log.exception("could not write %d tracking rows; the mail goes on without them", len(rows))
-        return
+    except DatabaseError as exc:
+        if len(rows) == 1 or _transient(exc):
+            log.exception(
+                "could not write %d tracking rows; the mail goes on without them", len(rows)
+            )
+            return
+        # A row the table refuses loses only itself: the others one by one.
+        log.warning("could not write a batch of %d tracking rows (%s); row by row", len(rows), exc)
+        rows = [row for row in rows if _write_one(row)]
     eventlog.after_commit(rows)
+
+
+# Errors of the moment (a lock or statement timeout, a deadlock, a lost
+# connection): the rows one by one would each wait for the same again.
+_TRANSIENT_STATES = ("55P03", "57014", "40P01", "40001", "08")
+
+
+def _transient(exc: DatabaseError) -> bool:
+    state = getattr(exc.__cause__, "sqlstate", None) or ""
+    return not state or state.startswith(_TRANSIENT_STATES)
+
+
+def _write_one(row: Row) -> bool:
+    try:
+        with transaction.atomic():
+            insert([row])
+            outbox.enqueue([row])
+    except DatabaseError:
+        log.exception("could not write the tracking row %s %s", row.event, row.qid)
+        return False
+    return True

@@ -9,12 +9,13 @@ window; newest first, paged by a cursor on (at, id).
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 
 from django.db.models import Q, QuerySet
-from django.db.models.functions import Lower
+from django.db.models.functions import MD5, Lower
 from django.utils.dateparse import parse_datetime
 
 from queues import clock
@@ -65,9 +66,16 @@ def parse_time(name: str, text: str, now: datetime) -> datetime:
     """``2d`` (that long ago) or an ISO 8601 time (UTC when it names no zone)."""
     text = text.strip()
     try:
-        return now - parse_duration(text)
+        ago = parse_duration(text)
     except (ValueError, TypeError):
         pass
+    except OverflowError:  # a duration past timedelta's days
+        raise SearchError(f"{name}: {text[:40]!r} is too long ago") from None
+    else:
+        try:
+            return now - ago
+        except OverflowError:  # before year 1
+            raise SearchError(f"{name}: {text[:40]!r} is too long ago") from None
     try:
         value = parse_datetime(text)
     except ValueError:
@@ -82,6 +90,9 @@ def parse_time(name: str, text: str, now: datetime) -> datetime:
 def parse_query(params: Mapping[str, str]) -> TrackingQuery:
     now = clock.now()
     query = TrackingQuery()
+    for name in PARAMETERS:  # PostgreSQL text holds no NUL: a clear 400, not a 500
+        if "\x00" in (params.get(name) or ""):
+            raise SearchError(f"{name}: no NUL character")
     for name in ("sender", "recipient", "message_id", "qid", "remote_id"):
         setattr(query, name, (params.get(name) or "").strip())
     kinds = [k.strip() for k in (params.get("event") or "").split(",") if k.strip()]
@@ -110,7 +121,15 @@ def queryset(query: TrackingQuery) -> QuerySet[TrackingEvent]:
         )
     if query.message_id:
         bare = query.message_id.strip("<>")
-        qs = qs.filter(message_id__in=[f"<{bare}>", bare])
+        # As asked too: a Message-ID cut at 998 characters may have lost its ">".
+        wanted = sorted({query.message_id, f"<{bare}>", bare})
+        # The index is on md5(message_id) where it is not '' (tracking.partitions):
+        # the hash finds the rows, the text makes the match exact.
+        qs = qs.alias(msgid_md5=MD5("message_id")).filter(
+            ~Q(message_id=""),
+            msgid_md5__in=[hashlib.md5(w.encode()).hexdigest() for w in wanted],
+            message_id__in=wanted,
+        )
     if query.qid:
         qs = qs.filter(qid=query.qid)
     if query.remote_id:

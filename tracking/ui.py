@@ -60,6 +60,11 @@ def tracking_search(request: HttpRequest) -> HttpResponse:
     )
 
 
+def _warn(request: HttpRequest, endpoint: WebhookEndpoint) -> None:
+    for warning in services.warnings(endpoint):
+        flash.warning(request, warning)
+
+
 def _form_events(request: HttpRequest) -> list[str]:
     return request.POST.getlist("events")
 
@@ -81,6 +86,7 @@ def webhook_list(request: HttpRequest) -> HttpResponse:
             flash.error(request, str(exc))
         else:
             flash.success(request, f"Webhook {endpoint.name} added.")
+            _warn(request, endpoint)
             return _detail_page(request, endpoint, new_secret=endpoint.secret)
     return _page(
         request,
@@ -110,6 +116,7 @@ def webhook_detail(request: HttpRequest, pk: int) -> HttpResponse:
             flash.error(request, str(exc))
         else:
             flash.success(request, f"Webhook {endpoint.name} saved.")
+            _warn(request, endpoint)
             return redirect("tracking:webhook", pk=endpoint.pk)
     return _detail_page(request, endpoint)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db import transaction
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound, ParseError
@@ -121,19 +122,21 @@ class SmtpAccountDetailView(OperatorAPI, APIView):
         unknown = set(data) - _CHANGEABLE
         if unknown:
             raise BadRequest(f"unknown fields: {', '.join(sorted(unknown))}")
+        # All or nothing, with its audit entry: a refused field leaves the password too.
         try:
-            if "password" in data:
-                accounts.set_password(username, str(data["password"] or ""))
-            account = accounts.update_account(
-                username,
-                allowed_senders=data.get("allowed_senders"),
-                max_messages_per_hour=data.get("max_messages_per_hour", False),
-                enabled=_bool(data["enabled"], "enabled") if "enabled" in data else None,
-            )
+            with transaction.atomic():
+                if "password" in data:
+                    accounts.set_password(username, str(data["password"] or ""))
+                account = accounts.update_account(
+                    username,
+                    allowed_senders=data.get("allowed_senders"),
+                    max_messages_per_hour=data.get("max_messages_per_hour", False),
+                    enabled=_bool(data["enabled"], "enabled") if "enabled" in data else None,
+                )
+                changed = ", ".join(sorted(data))  # the names only: never a password
+                accounts.audit(request.user, "api", "change", username, changed)
         except accounts.AccountError as exc:
             raise BadRequest(str(exc)) from None
-        changed = ", ".join(sorted(data))  # the names only: never a password
-        accounts.audit(request.user, "api", "change", username, changed)
         return Response(accounts.account_summary(account))
 
     @extend_schema(operation_id="smtp_accounts_destroy", responses={204: None})

@@ -13,6 +13,7 @@ from typing import Any
 from django.contrib import messages as flash
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.views.decorators.http import require_http_methods, require_POST
@@ -72,21 +73,22 @@ def account_detail(request: HttpRequest, username: str) -> HttpResponse:
     except accounts.AccountError:
         raise Http404("no such SMTP account") from None
     if request.method == "POST":
-        try:
-            password = request.POST.get("password", "")
-            if password:
-                accounts.set_password(username, password)
-            accounts.update_account(
-                username,
-                allowed_senders=request.POST.get("allowed_senders", ""),
-                max_messages_per_hour=_rate(request.POST.get("max_messages_per_hour", "")),
-                enabled=request.POST.get("enabled") == "on",
-            )
+        password = request.POST.get("password", "")
+        try:  # all or nothing, with its audit entry
+            with transaction.atomic():
+                if password:
+                    accounts.set_password(username, password)
+                accounts.update_account(
+                    username,
+                    allowed_senders=request.POST.get("allowed_senders", ""),
+                    max_messages_per_hour=_rate(request.POST.get("max_messages_per_hour", "")),
+                    enabled=request.POST.get("enabled") == "on",
+                )
+                detail = "settings" + (", password" if password else "")
+                accounts.audit(request.user, "ui", "change", username, detail)
         except accounts.AccountError as exc:
             flash.error(request, str(exc))
         else:
-            detail = "settings" + (", password" if password else "")
-            accounts.audit(request.user, "ui", "change", username, detail)
             flash.success(request, f"SMTP account {username} saved.")
             return redirect("ui:smtp_account", username=username)
     return _page(

@@ -15,7 +15,7 @@ def forwards(apps, schema_editor) -> None:
 
     for name in (*partitions.REPLACED, *partitions.DROPPED):
         schema_editor.execute(f"DROP INDEX IF EXISTS {name}")
-    for statement in partitions.create_indexes():
+    for statement in partitions.create_indexes(schema_editor.connection.vendor):
         schema_editor.execute(statement)
 
 
