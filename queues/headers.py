@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from email.header import decode_header, make_header
+from email.utils import getaddresses
 
 # Where the header fields end: at the empty line after them; at a final line
 # end or the end of the data when the message is all header; at once when it
@@ -16,6 +17,10 @@ _HEADER_END = re.compile(rb"\A\r?\n|\r?\n\r?\n|\r?\n\Z")
 _WANTED_FIELD = re.compile(
     rb"^(message-id|subject|received)[ \t]*:([^\n]*(?:\n[ \t][^\n]*)*)",
     re.IGNORECASE | re.MULTILINE,
+)
+# The fields that say who wrote a message (RFC 5322 3.6.2), with their continuations.
+_AUTHOR_FIELD = re.compile(
+    rb"^(from|sender)[ \t]*:([^\n]*(?:\n[ \t][^\n]*)*)", re.IGNORECASE | re.MULTILINE
 )
 
 
@@ -77,3 +82,18 @@ def inspect_headers(data: bytes | bytearray) -> HeaderInfo:
             received += 1
     # Copied into text columns: PostgreSQL text cannot hold NUL.
     return HeaderInfo(message_id.replace("\x00", ""), subject.replace("\x00", ""), received, end)
+
+
+def author_addresses(data: bytes | bytearray) -> list[tuple[str, str]]:
+    """(field name, address) for every address of every From and Sender field
+    of the header block, as ``getaddresses`` reads them (the same reading that
+    picks the DKIM signing domain, ``queues.dkim.from_domain``). An empty
+    address (``From: <>``, a group with no members) claims nothing and is left out."""
+    found = []
+    for match in _AUTHOR_FIELD.finditer(data, 0, header_end(data)):
+        value = b" ".join(line.strip() for line in match.group(2).split(b"\n"))
+        name = match.group(1).decode("ascii").capitalize()
+        for _display, address in getaddresses([value.decode("utf-8", "replace")]):
+            if address:
+                found.append((name, address))
+    return found

@@ -65,7 +65,7 @@ from delivery.inbound.dbthreads import DatabaseExecutor
 from delivery.inbound.doorbell import CoalescedBell
 from delivery.inbound.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
 from queues import counters
-from queues.headers import header_end
+from queues.headers import author_addresses, header_end
 from queues.models import MessageSource
 from queues.services import accounts
 from queues.services.accept import (
@@ -73,6 +73,7 @@ from queues.services.accept import (
     IncomingRecipient,
     message_accept,
     messages_accept,
+    printable,
 )
 
 if TYPE_CHECKING:
@@ -391,6 +392,18 @@ def received_count(data: bytes | bytearray) -> int:
     # Cheaper than queues.headers.inspect_headers, which message_accept runs anyway;
     # counted in place (no copy of the header block, which may be the whole message).
     return sum(1 for _ in _RECEIVED.finditer(data, 0, header_end(data)))
+
+
+def header_sender_refusal(grant: accounts.Grant, data: bytes | bytearray) -> str | None:
+    """550 5.7.1 when a From or Sender address of the header is not one the
+    account may use (as MAIL FROM is checked): signed, it would pass DKIM and
+    DMARC as that address's domain. None when every one is allowed."""
+    for field, address in author_addresses(data):
+        if not grant.may_send_as(address):
+            return replies.HEADER_SENDER_NOT_ALLOWED.format(
+                address=printable(address)[:300], field=field, username=grant.username
+            )
+    return None
 
 
 def append_unstuffed(body: bytearray, chunk: bytes, tail: bytes) -> None:
@@ -1034,6 +1047,9 @@ class RelayHandler:
                 return replies.BARE_LINE_ENDING
             if received_count(data) > MAX_RECEIVED_HEADERS:
                 return replies.TOO_MANY_HOPS
+            if smtp.grant is not None and (refusal := header_sender_refusal(smtp.grant, data)):
+                log.info("%s: %s", smtp.client_ip, refusal)
+                return refusal
             params = envelope.params
             incoming = IncomingEnvelope(
                 mail_from=envelope.mail_from or "",
@@ -1054,6 +1070,9 @@ class RelayHandler:
                 ),
                 source=MessageSource.SMTP,
                 auth_account=smtp.grant.username if smtp.grant is not None else "",
+                # DKIM vouches only for our own clients' mail (README "DKIM"), never
+                # for what the internet hands in for an accepted domain.
+                dkim_sign=smtp.may_relay,
             )
         except Exception:
             log.exception("could not prepare a message from %s", smtp.client_ip)
