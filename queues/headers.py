@@ -22,6 +22,8 @@ _WANTED_FIELD = re.compile(
 _AUTHOR_FIELD = re.compile(
     rb"^(from|sender)[ \t]*:([^\n]*(?:\n[ \t][^\n]*)*)", re.IGNORECASE | re.MULTILINE
 )
+# Where a header field ends and the next begins: a CRLF not followed by a blank.
+_FIELD_BREAK = re.compile(rb"\r\n(?![ \t])")
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,30 @@ def author_addresses(data: bytes | bytearray) -> list[tuple[str, str]]:
             if address:
                 found.append((name, address))
     return found
+
+
+def header_shape_refusal(
+    data: bytes | bytearray, max_fields: int, max_field_size: int
+) -> tuple[str, int] | None:
+    """("fields", limit) when the header block has more than ``max_fields``
+    fields, ("size", limit) when one field (its folded lines together, without
+    its final CRLF) is longer than ``max_field_size`` bytes; else None (0 = no
+    limit). Read in place, in one pass that stops at the first excess; a usual
+    header (fewer lines than the field limit, shorter than the size limit)
+    costs one count of its line ends."""
+    end = header_end(data)
+    if not end:
+        return None
+    lines = data.count(b"\n", 0, end) + 1
+    if (not max_fields or lines <= max_fields) and (not max_field_size or end <= max_field_size):
+        return None
+    fields, start = 1, 0
+    for match in _FIELD_BREAK.finditer(data, 0, end):
+        if max_field_size and match.start() - start > max_field_size:
+            return "size", max_field_size
+        fields, start = fields + 1, match.end()
+        if max_fields and fields > max_fields:
+            return "fields", max_fields
+    if max_field_size and end - start > max_field_size:
+        return "size", max_field_size
+    return None
