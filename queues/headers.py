@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from email.header import decode_header, make_header
+from email.utils import getaddresses
 
 # Where the header fields end: at the empty line after them; at a final line
 # end or the end of the data when the message is all header; at once when it
@@ -17,6 +18,12 @@ _WANTED_FIELD = re.compile(
     rb"^(message-id|subject|received)[ \t]*:([^\n]*(?:\n[ \t][^\n]*)*)",
     re.IGNORECASE | re.MULTILINE,
 )
+# The fields that say who wrote a message (RFC 5322 3.6.2), with their continuations.
+_AUTHOR_FIELD = re.compile(
+    rb"^(from|sender)[ \t]*:([^\n]*(?:\n[ \t][^\n]*)*)", re.IGNORECASE | re.MULTILINE
+)
+# Where a header field ends and the next begins: a CRLF not followed by a blank.
+_FIELD_BREAK = re.compile(rb"\r\n(?![ \t])")
 
 
 @dataclass(frozen=True)
@@ -77,3 +84,45 @@ def inspect_headers(data: bytes | bytearray) -> HeaderInfo:
             received += 1
     # Copied into text columns: PostgreSQL text cannot hold NUL.
     return HeaderInfo(message_id.replace("\x00", ""), subject.replace("\x00", ""), received, end)
+
+
+def author_addresses(data: bytes | bytearray) -> list[tuple[str, str]]:
+    """(field name, address) for every address of every From and Sender field
+    of the header block, as ``getaddresses`` reads them (the same reading that
+    picks the DKIM signing domain, ``queues.dkim.from_domain``). An empty
+    address (``From: <>``, a group with no members) claims nothing and is left out."""
+    found = []
+    for match in _AUTHOR_FIELD.finditer(data, 0, header_end(data)):
+        value = b" ".join(line.strip() for line in match.group(2).split(b"\n"))
+        name = match.group(1).decode("ascii").capitalize()
+        for _display, address in getaddresses([value.decode("utf-8", "replace")]):
+            if address:
+                found.append((name, address))
+    return found
+
+
+def header_shape_refusal(
+    data: bytes | bytearray, max_fields: int, max_field_size: int
+) -> tuple[str, int] | None:
+    """("fields", limit) when the header block has more than ``max_fields``
+    fields, ("size", limit) when one field (its folded lines together, without
+    its final CRLF) is longer than ``max_field_size`` bytes; else None (0 = no
+    limit). Read in place, in one pass that stops at the first excess; a usual
+    header (fewer lines than the field limit, shorter than the size limit)
+    costs one count of its line ends."""
+    end = header_end(data)
+    if not end:
+        return None
+    lines = data.count(b"\n", 0, end) + 1
+    if (not max_fields or lines <= max_fields) and (not max_field_size or end <= max_field_size):
+        return None
+    fields, start = 1, 0
+    for match in _FIELD_BREAK.finditer(data, 0, end):
+        if max_field_size and match.start() - start > max_field_size:
+            return "size", max_field_size
+        fields, start = fields + 1, match.end()
+        if max_fields and fields > max_fields:
+            return "fields", max_fields
+    if max_field_size and end - start > max_field_size:
+        return "size", max_field_size
+    return None

@@ -96,6 +96,7 @@ def accept(body: bytes = BODY, sender: str = "alice@example.com") -> Message:
         recipients=[IncomingRecipient("bob@example.net")],
         client_address="127.0.0.1",
         client_helo="client.test",
+        dkim_sign=True,  # as the ingress says for a relay-network client
     )
     return message_accept(env, body)
 

@@ -11,7 +11,7 @@ from django.db import connection
 from delivery import bell
 from delivery.inbound import server
 from queues.models import Message
-from queues.services.accept import message_accept
+from queues.services.accept import prepared_accept
 from tests.support.ingress import SMTPRefused
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -91,12 +91,12 @@ def test_it_stores_nothing_when_the_client_goes_away_during_data(ingress):
 def test_it_commits_and_rings_even_when_the_client_leaves_during_the_commit(ingress, monkeypatch):
     committing, release, rung = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_accept(envelope, data):
+    def slow_accept(prepared):
         committing.set()
         assert release.wait(10)
-        return message_accept(envelope, data)
+        return prepared_accept(prepared)
 
-    monkeypatch.setattr(server, "message_accept", slow_accept)
+    monkeypatch.setattr(server, "prepared_accept", slow_accept)  # the commit
     monkeypatch.setattr(bell, "ring_categorizer", rung.set)
     with ingress.raw() as client:
         open_data(client)

@@ -23,7 +23,12 @@ from delivery.inbound import server
 from queues import bulk
 from queues.models import Message
 from queues.services import accept
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.services.accept import (
+    IncomingEnvelope,
+    IncomingRecipient,
+    message_accept,
+    prepared_accept,
+)
 from tests.support import processes
 from tests.support.ingress import Ingress, RawClient
 
@@ -177,17 +182,17 @@ def test_the_session_limit_waits_for_the_reply_to_a_message_being_committed(
 ):
     committing, expired = threading.Event(), threading.Event()
 
-    def slow_accept(envelope, data):
+    def slow_accept(prepared):
         committing.set()
         assert expired.wait(10)  # the session time runs out during the commit
-        return message_accept(envelope, data)
+        return prepared_accept(prepared)
 
     def session_expired(session) -> None:
         original(session)
         expired.set()
 
     original = server.InboundSMTP._session_expired
-    monkeypatch.setattr(server, "message_accept", slow_accept)
+    monkeypatch.setattr(server, "prepared_accept", slow_accept)  # the commit
     monkeypatch.setattr(server.InboundSMTP, "_session_expired", session_expired)
     ingress = start_ingress(max_session_time=1.0)
     with ingress.raw() as client:

@@ -11,7 +11,7 @@ import pytest
 from delivery import bell
 from delivery.inbound import server
 from queues.models import Message
-from queues.services.accept import message_accept
+from queues.services.accept import prepared_accept
 from tests.support.sinks import make_certificate
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -221,17 +221,17 @@ def test_it_says_421_to_open_sessions_when_it_stops(ingress):
 def test_it_answers_a_message_being_committed_before_it_stops(ingress, monkeypatch):
     committing, release, stopping = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_accept(envelope, data):
+    def slow_accept(prepared):
         committing.set()
         assert release.wait(10)
-        return message_accept(envelope, data)
+        return prepared_accept(prepared)
 
     def shutdown(session) -> None:
         original_shutdown(session)
         stopping.set()
 
     original_shutdown = server.InboundSMTP.shutdown
-    monkeypatch.setattr(server, "message_accept", slow_accept)
+    monkeypatch.setattr(server, "prepared_accept", slow_accept)  # the commit
     monkeypatch.setattr(server.InboundSMTP, "shutdown", shutdown)
     with ingress.raw() as client:
         client.command("EHLO client.test")

@@ -47,6 +47,9 @@ ROUTING_DENIED = "554 5.7.1 Sender-specified routing (%, !, @ or source route) i
 MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
 TOO_MANY_RECIPIENTS = "452 4.5.3 Too many recipients"
 TOO_MANY_HOPS = "554 5.4.6 Too many hops (Received headers): routing loop"
+# Postfix's header_size_limit, and a count of fields (MAILRELAY_SMTP_MAX_HEADER_*)
+TOO_MANY_HEADER_FIELDS = "552 5.3.4 Message header has too many header fields (more than {limit})"
+HEADER_FIELD_TOO_LONG = "552 5.3.4 Message header field too long (more than {limit} bytes)"
 
 # --- message data (SMTP smuggling, CVE-2023-51764 family)
 BARE_LINE_ENDING = "550 5.6.0 Message contains bare CR or LF; lines must end with CRLF"
@@ -84,6 +87,10 @@ AUTH_ABORTED = "501 5.7.0 Authentication aborted"
 AUTH_BAD_BASE64 = "501 5.5.2 Cannot decode base64"
 AUTH_BAD_PLAIN = "501 5.5.2 Cannot split the PLAIN response (authzid NUL authcid NUL passwd)"
 SENDER_NOT_ALLOWED = "553 5.7.1 <{address}>: Sender address not allowed for account {username}"
+# reject_sender_login_mismatch, applied to the header: DKIM would vouch for it
+HEADER_SENDER_NOT_ALLOWED = (
+    "550 5.7.1 <{address}>: {field} header address not allowed for account {username}"
+)
 ACCOUNT_RATE_LIMITED = (
     "451 4.7.1 Account {username} has sent its {limit} messages this hour, try again later"
 )

@@ -7,11 +7,13 @@ Each connection is an ``InboundSMTP`` protocol, which reaches aiosmtpd's
 private members only through ``aiosmtpd_adapter.AiosmtpdSession``; the DATA
 work lives in ``RelayHandler``.
 
-Hot path per message: the message handed to the group committer
-(``groupcommit.GroupCommitter``: the messages of every session waiting at that
-moment in one statement and one transaction, in a committer thread), the
-reply once its transaction committed, then a coalesced ring of the categorizer.
-The other database calls (AUTH, account rates) run in the database threads.
+Hot path per message: the header checked against its limits, the message
+prepared (ids, headers, DKIM signature: ``prepare_message``) in a database
+thread, then handed to the group committer (``groupcommit.GroupCommitter``:
+the messages of every session waiting at that moment in one statement and one
+transaction, in a committer thread), the reply once its transaction
+committed, then a coalesced ring of the categorizer. The other database calls
+(AUTH, account rates) run in the database threads too.
 
 Back pressure: with a ``Monitor`` (delivery.backpressure), the server runs it
 while it listens, counts the messages it holds uncommitted (the version
@@ -65,14 +67,17 @@ from delivery.inbound.dbthreads import DatabaseExecutor
 from delivery.inbound.doorbell import CoalescedBell
 from delivery.inbound.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
 from queues import counters
-from queues.headers import header_end
+from queues.headers import author_addresses, header_end, header_shape_refusal
 from queues.models import MessageSource
 from queues.services import accounts
 from queues.services.accept import (
     IncomingEnvelope,
     IncomingRecipient,
-    message_accept,
-    messages_accept,
+    PreparedMessage,
+    prepare_message,
+    prepared_accept,
+    prepared_accept_many,
+    printable,
 )
 
 if TYPE_CHECKING:
@@ -123,6 +128,9 @@ class InboundConfig:
     max_auth_failures: int = 5  # per client address
     max_auth_failures_per_user: int = 10  # per username, from any address
     processes: int = 1  # runsmtp processes: each one's share of the limits when the cache is down
+    # The message header (Postfix's header_size_limit, per field; a count of fields). 0 = none.
+    max_header_fields: int = 1000
+    max_header_size: int = 102400
 
     @classmethod
     def from_settings(cls) -> InboundConfig:
@@ -143,6 +151,8 @@ class InboundConfig:
             min_data_rate=settings.MAILRELAY_SMTP_MIN_DATA_RATE,
             max_auth_failures=settings.MAILRELAY_AUTH_MAX_FAILURES,
             max_auth_failures_per_user=settings.MAILRELAY_AUTH_MAX_FAILURES_PER_USER,
+            max_header_fields=settings.MAILRELAY_SMTP_MAX_HEADER_FIELDS,
+            max_header_size=settings.MAILRELAY_SMTP_MAX_HEADER_SIZE,
         )
 
 
@@ -284,10 +294,10 @@ def raise_file_limit(connections: int) -> tuple[int, int]:
 # ----------------------------------------------------------------- committing
 
 
-def _store(envelope: IncomingEnvelope, data: bytes | bytearray) -> str:
-    """Runs in a database thread: commit the message, return its queue id."""
+def _store(prepared: PreparedMessage, data: bytes | bytearray) -> str:
+    """Runs in a committer thread: commit the prepared message, return its queue id."""
     try:
-        qid = message_accept(envelope, data).qid
+        qid = prepared_accept(prepared).qid
         if len(data) >= RELEASE_CONNECTION_ABOVE:
             # libpq's send buffer grew to the message's size and is only freed
             # with the connection: without this, each database thread would keep
@@ -304,11 +314,13 @@ def _store(envelope: IncomingEnvelope, data: bytes | bytearray) -> str:
         raise
 
 
-def _store_batch(batch: Sequence[tuple[IncomingEnvelope, bytes | bytearray]]) -> list[object]:
+def _store_batch(batch: Sequence[tuple[PreparedMessage, bytes | bytearray]]) -> list[object]:
     """Runs in a committer thread: the queue id of each message committed, or its exception.
 
+    The messages come prepared (ids, headers, DKIM signature: ``_prepare``,
+    in the sessions' database threads), so a batch costs its inserts only.
     One message takes ``_store`` (``message_accept``'s path); several are one
-    group commit (``messages_accept``), which stores a failed batch's
+    group commit (``prepared_accept_many``), which stores a failed batch's
     messages one by one so each gets its own answer.
     """
     if len(batch) == 1:
@@ -316,9 +328,8 @@ def _store_batch(batch: Sequence[tuple[IncomingEnvelope, bytes | bytearray]]) ->
             return [_store(*batch[0])]
         except Exception as exc:  # noqa: BLE001 - this message's session says 451
             return [exc]
-    return [
-        result if isinstance(result, Exception) else result.qid for result in messages_accept(batch)
-    ]
+    stored = prepared_accept_many([prepared for prepared, _data in batch])
+    return [result if isinstance(result, Exception) else result.qid for result in stored]
 
 
 def _in_thread(call: Callable[[], object]) -> object:
@@ -356,6 +367,29 @@ def received_count(data: bytes | bytearray) -> int:
     # Cheaper than queues.headers.inspect_headers, which message_accept runs anyway;
     # counted in place (no copy of the header block, which may be the whole message).
     return sum(1 for _ in _RECEIVED.finditer(data, 0, header_end(data)))
+
+
+def header_limit_refusal(data: bytes | bytearray, config: InboundConfig) -> str | None:
+    """552 5.3.4 for a header of more fields, or a longer field, than configured:
+    what every later step (parsing, DKIM signing) costs is bounded by them."""
+    excess = header_shape_refusal(data, config.max_header_fields, config.max_header_size)
+    if excess is None:
+        return None
+    kind, limit = excess
+    reply = replies.TOO_MANY_HEADER_FIELDS if kind == "fields" else replies.HEADER_FIELD_TOO_LONG
+    return reply.format(limit=limit)
+
+
+def header_sender_refusal(grant: accounts.Grant, data: bytes | bytearray) -> str | None:
+    """550 5.7.1 when a From or Sender address of the header is not one the
+    account may use (as MAIL FROM is checked): signed, it would pass DKIM and
+    DMARC as that address's domain. None when every one is allowed."""
+    for field, address in author_addresses(data):
+        if not grant.may_send_as(address):
+            return replies.HEADER_SENDER_NOT_ALLOWED.format(
+                address=printable(address)[:300], field=field, username=grant.username
+            )
+    return None
 
 
 def append_unstuffed(body: bytearray, chunk: bytes, tail: bytes) -> None:
@@ -1044,8 +1078,14 @@ class RelayHandler:
             if has_bare_line_ending(data):
                 log.warning("rejected message with bare CR/LF from %s", smtp.client_ip)
                 return replies.BARE_LINE_ENDING
+            if refusal := header_limit_refusal(data, smtp.config):
+                log.info("%s: %s", smtp.client_ip, refusal)
+                return refusal
             if received_count(data) > MAX_RECEIVED_HEADERS:
                 return replies.TOO_MANY_HOPS
+            if smtp.grant is not None and (refusal := header_sender_refusal(smtp.grant, data)):
+                log.info("%s: %s", smtp.client_ip, refusal)
+                return refusal
             params = envelope.params
             incoming = IncomingEnvelope(
                 mail_from=envelope.mail_from or "",
@@ -1066,6 +1106,9 @@ class RelayHandler:
                 ),
                 source=MessageSource.SMTP,
                 auth_account=smtp.grant.username if smtp.grant is not None else "",
+                # DKIM vouches only for our own clients' mail (README "DKIM"), never
+                # for what the internet hands in for an accepted domain.
+                dkim_sign=smtp.may_relay,
             )
         except Exception:
             log.exception("could not prepare a message from %s", smtp.client_ip)
@@ -1194,15 +1237,27 @@ class InboundServer:
         return await self.loop.run_in_executor(self._executor, _in_thread, call)
 
     async def store(self, envelope: IncomingEnvelope, data: bytes) -> str:
-        """Commit a message (group commit, ``groupcommit``); ring the categorizer after it.
+        """Prepare and commit a message (group commit, ``groupcommit``); ring
+        the categorizer after it.
 
-        The commit runs to its end even if the client goes away meanwhile
-        (shielded), and the ring follows every commit, replied to or not.
-        The queue id comes back only once the message's transaction committed.
+        The message is prepared first (queue id, headers, DKIM signature) in
+        a database thread of this session's own, so its signing, however
+        long, holds up no other session: the committer threads, which every
+        session's commit waits on, only insert. The commit runs to its end
+        even if the client goes away meanwhile (shielded), and the ring
+        follows every commit, replied to or not. The queue id comes back only
+        once the message's transaction committed.
         """
         assert self.loop is not None and self._committer is not None
-        future = asyncio.wrap_future(self._committer.submit(envelope, data), loop=self.loop)
-        self.uncommitted.add()
+        self.uncommitted.add()  # received, not committed: from now on
+        try:
+            prepared = await self.in_database(prepare_message, envelope, data)
+            assert isinstance(prepared, PreparedMessage)
+            committed = self._committer.submit(prepared, data)
+        except BaseException:
+            self.uncommitted.done()
+            raise
+        future = asyncio.wrap_future(committed, loop=self.loop)
         self._stores.add(future)
         future.add_done_callback(self._stored)
         return await asyncio.shield(future)

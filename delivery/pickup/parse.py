@@ -209,6 +209,7 @@ def parse_pickup(raw: bytes, limits: PickupLimits, now: datetime) -> Submission:
         smtputf8=not all(a.isascii() for a in given),
         protocol="local",
         source=MessageSource.PICKUP,
+        dkim_sign=True,  # written by a local program: vouched for, as relay networks are
     )
     return Submission(envelope, stored)
 
@@ -296,5 +297,8 @@ def parse_replay(raw: bytes) -> Submission:
         envid=params.envid,
         protocol="local",
         source=MessageSource.REPLAY,
+        # Not signed: a replay file may hold any message, one received from the
+        # internet too (an export); a signature it was sent with is kept (form=sent).
+        dkim_sign=False,
     )
     return Submission(envelope, b"".join(r for _, r in message_fields) + rest)

@@ -53,6 +53,9 @@ class IncomingEnvelope:
     protocol: str = "ESMTP"  # RFC 3848 with-keyword: SMTP, ESMTP, ESMTPS, UTF8SMTPS...
     source: str = MessageSource.SMTP
     auth_account: str = ""  # the SmtpAccount username of an authenticated client (SMTP AUTH)
+    # DKIM-sign it (queues.dkim): only mail we vouch for. The SMTP ingress sets it
+    # for relay networks and AUTH, pickup and DSNs always; never for the rest.
+    dkim_sign: bool = False
 
 
 def new_qid() -> str:
@@ -167,7 +170,7 @@ def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedM
     qid = new_qid()
     prefix, message_id, subject = build_prefix(env, data, qid)
     # Signed once, here, where the body is in memory already (queues.dkim).
-    signature, dkim_error = _dkim_signature(qid, prefix, data)
+    signature, dkim_error = _dkim_signature(qid, prefix, data) if env.dkim_sign else (b"", "")
     message = Message(
         qid=qid,
         state=MessageState.SUBMISSION,
@@ -290,13 +293,41 @@ def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
     connection. The retry first looks for the queue id: if the lost reply
     was for a commit that happened, the message is not stored twice.
     """
-    return _insert_one(prepare_message(env, data))
+    return prepared_accept(prepare_message(env, data))
+
+
+def prepared_accept(prepared: PreparedMessage) -> Message:
+    """``message_accept`` of a message prepared (and signed) already: the SMTP
+    ingress prepares in the session's database thread, so a slow signature
+    never holds up the committer threads other sessions wait on."""
+    return _insert_one(prepared)
 
 
 def messages_accept(
     batch: Sequence[tuple[IncomingEnvelope, bytes | bytearray]],
 ) -> list[Message | Exception]:
     """Group commit: store several messages in ONE statement (one transaction, one commit).
+
+    Returns, in order, each message or the exception that kept it out
+    (``prepared_accept_many``). A message that cannot be prepared fails alone.
+    """
+    results: list[Message | Exception] = []
+    ready: list[tuple[int, PreparedMessage]] = []
+    for env, data in batch:
+        try:
+            ready.append((len(results), prepare_message(env, data)))
+            results.append(None)  # type: ignore[arg-type] - filled in below
+        except Exception as exc:  # noqa: BLE001 - this message fails, the others go on
+            log.exception("could not prepare a message from %s", env.client_address)
+            results.append(exc)
+    stored = prepared_accept_many([prepared for _index, prepared in ready])
+    for (index, _prepared), result in zip(ready, stored, strict=True):
+        results[index] = result
+    return results
+
+
+def prepared_accept_many(ready: Sequence[PreparedMessage]) -> list[Message | Exception]:
+    """Group commit of prepared messages: ONE statement (one transaction, one commit).
 
     Returns, in order, each message or the exception that kept it out: the
     caller replies 250 to a message only when its entry is a Message (it is
@@ -309,24 +340,13 @@ def messages_accept(
     message (``_same_message``), and a queue id another message holds is a
     collision: the message is stored under a new one (``_insert_one``).
     """
-    results: list[Message | Exception] = []
-    ready: list[tuple[int, PreparedMessage]] = []
-    for env, data in batch:
-        try:
-            ready.append((len(results), prepare_message(env, data)))
-            results.append(None)  # type: ignore[arg-type] - filled in below
-        except Exception as exc:  # noqa: BLE001 - this message fails, the others go on
-            log.exception("could not prepare a message from %s", env.client_address)
-            results.append(exc)
     if len(ready) == 1 or (ready and connection.vendor != "postgresql"):
-        for index, prepared in ready:
-            results[index] = _try_one(prepared)
-        return results
+        return [_try_one(prepared) for prepared in ready]
     if not ready:
-        return results
+        return []
     try:
         insert_many_with_children(
-            [(p.message, p.recipients, p.parts) for _i, p in ready], "message", key_field="qid"
+            [(p.message, p.recipients, p.parts) for p in ready], "message", key_field="qid"
         )
     except Exception as exc:  # noqa: BLE001 - nothing of the batch is committed (or unknown)
         log.warning(
@@ -337,16 +357,16 @@ def messages_accept(
         # up first, so no committed message gets 451 and is stored twice.
         if is_outage(exc):
             _close_quietly()
-        stored = _already_stored([p.message for _i, p in ready])
-        for index, prepared in ready:
+        stored = _already_stored([p.message for p in ready])
+        results: list[Message | Exception] = []
+        for prepared in ready:
             found = stored.get(prepared.message.qid)
-            results[index] = found if found is not None else _try_one(prepared)
+            results.append(found if found is not None else _try_one(prepared))
         return results
-    for index, prepared in ready:
+    for prepared in ready:
         if prepared.dkim_error:
             _dkim_failed(prepared.message, prepared.dkim_error)
-        results[index] = prepared.message
-    return results
+    return [prepared.message for prepared in ready]
 
 
 def _try_one(prepared: PreparedMessage) -> Message | Exception:

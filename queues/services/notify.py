@@ -120,6 +120,7 @@ def notify(
             client_helo=settings.MAILRELAY_HOSTNAME,
             protocol="local",
             source=MessageSource.DSN,
+            dkim_sign=True,  # ours: the relay vouches for its own reports
         ),
         report,
     )
