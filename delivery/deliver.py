@@ -295,6 +295,7 @@ class _Round:
     cleared_hints: list[str] = field(default_factory=list)
     delivered_queues: set[int] = field(default_factory=set)
     errors_by_queue: dict[int, str] = field(default_factory=dict)
+    carried_tls: str = ""  # the TLS summary of the round's early records
 
 
 def _via_mx(link: Link) -> bool:
@@ -417,31 +418,74 @@ def _decide(
     return rnd
 
 
-def _record(link: Link, batch: BatchResult, owner: str, *, final: bool = True) -> None:
+@dataclass
+class _Carried:
+    """What a round's early records leave to its final record: the link's and the
+    queues' bookkeeping and the retry data that deliveries clear — written once
+    per round, not once per message."""
+
+    delivered_queues: set[int] = field(default_factory=set)
+    errors_by_queue: dict[int, str] = field(default_factory=dict)
+    cleared_hints: dict[str, None] = field(default_factory=dict)  # ordered set
+    tls: str = ""
+
+    def keep(self, rnd: _Round) -> None:
+        self.delivered_queues |= rnd.delivered_queues
+        self.errors_by_queue.update(rnd.errors_by_queue)
+        self.cleared_hints.update(dict.fromkeys(rnd.cleared_hints))
+        self.tls = _tls_summary(rnd.attempts) or self.tls
+
+    def give(self, rnd: _Round) -> None:
+        rnd.delivered_queues |= self.delivered_queues
+        rnd.errors_by_queue = {**self.errors_by_queue, **rnd.errors_by_queue}
+        rnd.cleared_hints = list(dict.fromkeys([*self.cleared_hints, *rnd.cleared_hints]))
+        rnd.carried_tls = self.tls
+
+
+def _record(
+    link: Link,
+    batch: BatchResult,
+    owner: str,
+    *,
+    final: bool = True,
+    carried: _Carried | None = None,
+) -> None:
     """Record one round's outcome: read what it needs, decide (``_decide``),
-    write it all in one transaction (``_write``)."""
+    write it all in one transaction (``_write``).
+
+    ``final`` False: an early record of finished messages while the round goes
+    on; what it owes the link, the queues and the retry data is kept in
+    ``carried`` for the final record, which writes it with its own."""
     now = clock.now()
-    link.refresh_from_db()  # a retried recording starts again from the stored link
+    if final:
+        link.refresh_from_db()  # a retried recording starts again from the stored link
     for res in batch.results:
         res.text, res.host = _clean(res.text), _clean(res.host)
     batch.connection_error = _clean(batch.connection_error)
     claimed = Recipient.objects.filter(id__any=[x.recipient_id for x in batch.results]).owned_by(
         owner
     )
-    rows = {r.id: r for r in claimed.only(*_RECIPIENT_READ_FIELDS)}
-    # The senders, and what the tracking rows need of each message (one SELECT).
-    facts = {
-        mid: (qid, sender, msgid)
-        for mid, qid, sender, msgid in Message.objects.filter(
-            id__any={r.message_id for r in rows.values()}
-        ).values_list("id", "qid", "mail_from", "message_id")
-    }
+    # The rows, with their messages' senders and what the tracking rows need of
+    # each message, in one SELECT.
+    read = claimed.select_related("message").only(*_RECIPIENT_READ_FIELDS, *_MESSAGE_FACTS)
+    rows: dict[int, Recipient] = {}
+    facts: dict[int, tuple[str, str, str]] = {}
+    for r in read:
+        m = r.message
+        facts[m.pk] = (m.qid, m.mail_from, m.message_id)
+        del r._state.fields_cache["message"]  # the rows are written back without it
+        rows[r.id] = r
     senders = {mid: fact[1] for mid, fact in facts.items()}
     hints = retry.stored_hints(f for f in batch.host_failures if f.host)
     rnd = _decide(link, batch, rows, senders, hints, now)
+    if final and carried is not None:
+        carried.give(rnd)
     _write(rnd, link, batch, owner, final=final, facts=facts)
+    if not final and carried is not None:
+        carried.keep(rnd)  # after the commit: a retried early record keeps it once
 
 
+_MESSAGE_FACTS = ("message__qid", "message__mail_from", "message__message_id")
 _RECIPIENT_READ_FIELDS = (
     "id",
     "message_id",
@@ -494,7 +538,7 @@ def _write(
             # Claimed but never tried (the round stopped when it lost its claim,
             # or a peer never got to them): waiting again, due now.
             Recipient.objects.owned_by(owner).release(now)
-        _write_hints(rnd)
+        _write_hints(rnd, forget=final)
         _notify_round(rnd)
         if rnd.message_failures:
             threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
@@ -505,15 +549,16 @@ def _write(
                 id__in=rnd.message_failures, per_message_failures__gte=threshold
             ).update(problem=True)
         Message.objects.finish_ids({r.message_id for r in batch.results}, now)
-        _write_link(link, rnd, batch.connection_error)
+        if final:
+            _write_link(link, rnd, batch.connection_error)
     counters.record_delivery(rnd.attempts, rows.values())
 
 
-def _write_hints(rnd: _Round) -> None:
+def _write_hints(rnd: _Round, *, forget: bool = True) -> None:
     """The round's retry data, in a savepoint: it is a hint (deleting it is always
     safe), so data that cannot be written is logged and dropped, never the
     round's recorded outcomes with it. A lost connection is still an outage."""
-    if rnd.cleared_hints:
+    if forget and rnd.cleared_hints:
         retry.forget_hints(rnd.cleared_hints)  # a DELETE by bounded keys: cannot fail on data
     if not rnd.hints:
         return
@@ -584,7 +629,7 @@ def _write_link(link: Link, rnd: _Round, connection_error: str) -> None:
         link.last_success_at = now
     for queue_id, text in rnd.errors_by_queue.items():
         Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
-    tls = _tls_summary(rnd.attempts)
+    tls = _tls_summary(rnd.attempts) or rnd.carried_tls
     if tls:
         link.last_tls = tls
     link.save(update_fields=LINK_UPDATE_FIELDS)
@@ -681,6 +726,7 @@ def _deliver_round(
     if not ids:
         return 0
     messages = _load_batch(ids)
+    carried = _Carried()
     if shaped is not None:
         config = shaped.claimed(messages)
     hops = [NextHop.from_json(h) for h in link.hosts]
@@ -707,7 +753,7 @@ def _deliver_round(
                 messages,
                 planned,
                 claim,
-                (lambda done: _record_early(link, done, owner, claim))
+                (lambda done: _record_early(link, done, owner, claim, carried))
                 if RECORD_EACH_MESSAGE
                 else None,
             )
@@ -717,7 +763,7 @@ def _deliver_round(
         else:
             batch = _unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
     try:
-        while_connected(claim, lambda: _record(link, batch, owner))
+        while_connected(claim, lambda: _record(link, batch, owner, carried=carried))
     except Exception as exc:
         if is_outage(exc):
             # The database stayed away for a whole lease: the rows are (or will
@@ -770,15 +816,16 @@ def _report_tls(batch: BatchResult) -> None:
         )
 
 
-def _record_early(link: Link, results: list[RecipientResult], owner: str, claim: Claim) -> None:
+def _record_early(
+    link: Link, results: list[RecipientResult], owner: str, claim: Claim, carried: _Carried
+) -> None:
     """Record finished messages while the round goes on (a peer answered, so the
     link is reachable); the round's final record skips them, as they are no
-    longer the round's. A failure here is not fatal: the final record retries."""
+    longer the round's, and writes what they left it (``carried``). A failure
+    here is not fatal: the final record retries."""
+    batch = BatchResult(list(results), connected=True)
     try:
-        while_connected(
-            claim,
-            lambda: _record(link, BatchResult(list(results), connected=True), owner, final=False),
-        )
+        while_connected(claim, lambda: _record(link, batch, owner, final=False, carried=carried))
     except Exception:  # noqa: BLE001 - the final record writes them
         log.exception("recording finished messages of link %s early failed", link.pk)
 

@@ -16,7 +16,7 @@ from django.test.utils import CaptureQueriesContext
 
 from delivery import deliver
 from delivery.categorize import categorize_pending
-from queues.models import Link, Message, MessageState, Recipient, RecipientState
+from queues.models import Attempt, Link, Message, MessageState, Recipient, RecipientState
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
 pytestmark = pytest.mark.django_db
@@ -28,7 +28,14 @@ BODY = b"From: a@example.org\r\nTo: x\r\nSubject: hot path\r\n\r\nbody\r\n"
 # The tracking rows go in a savepoint of their own (tracking.record.write: a
 # failed tracking insert must not undo a delivery): SAVEPOINT + RELEASE, 2 each.
 CATEGORIZE_STATEMENTS = 12
-DELIVER_STATEMENTS = 33
+DELIVER_STATEMENTS = 32
+# Each finished message is committed before its connection's next transaction
+# (one record for whatever finished meanwhile on any connection): read its
+# rows with their messages, write recipients, attempts, finished messages and
+# the tracking rows (in their savepoint). The link, queue and cleared retry
+# data wait for the round's end. 9 with the two savepoints of the test's own
+# transaction (BEGIN and COMMIT in production).
+EARLY_RECORD_STATEMENTS = 9
 
 
 @pytest.fixture
@@ -104,3 +111,17 @@ def test_delivering_a_round_costs_the_same_statements_for_3_or_40_messages(relay
     assert len(relay.messages) == 44
     assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
     assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+
+
+def test_a_finished_message_is_made_durable_in_a_few_statements(relay, monkeypatch, settings):
+    """One connection, so one message per early record: what each costs."""
+    monkeypatch.setattr(deliver, "RECORD_EACH_MESSAGE", True)
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1
+    settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION = 100
+    warm_up()
+    few = deliver_and_count(3, "few")
+    many = deliver_and_count(40, "many")
+    assert many - few == EARLY_RECORD_STATEMENTS * (40 - 3)
+    assert len(relay.messages) == 44
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+    assert Attempt.objects.count() == 44
