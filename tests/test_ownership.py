@@ -371,9 +371,53 @@ def test_a_round_survives_its_database_connection_being_cut(relay, sink_factory)
 
 
 @pytest.mark.django_db(transaction=True)
+def test_each_outcome_is_committed_before_its_connection_sends_the_next_mail_from(
+    relay, sink_factory, settings
+):
+    """Durable before the next transaction: whenever the next hop has seen the
+    MAIL FROM of a connection's k+1-th message, the k messages before it are
+    recorded delivered, so a crash can re-send only the one in flight."""
+    from django.db import connection
+
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2", delays={"MAIL": 0.1})
+    for i in range(8):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    seen: list[tuple[int, int]] = []  # (MAIL commands at the sink, delivered in the database)
+    done = threading.Event()
+
+    def watch() -> None:
+        try:
+            while not done.is_set():
+                mails = sink.verbs().count("MAIL")
+                # read after the sink: the count can only have grown meanwhile
+                recorded = Recipient.objects.filter(state=RecipientState.DELIVERED).count()
+                seen.append((mails, recorded))
+                time.sleep(0.01)
+        finally:
+            connection.close()
+
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1  # one message after the other
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert deliver_link(link.pk) == 8
+    finally:
+        done.set()
+        watcher.join()
+    assert len(sink.messages) == 8
+    assert any(mails >= 5 for mails, _ in seen), seen  # it watched the round
+    late = [(mails, recorded) for mails, recorded in seen if recorded < mails - 1]
+    assert not late, f"a MAIL FROM went out before the previous outcome was committed: {late}"
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_round_records_finished_messages_while_it_goes_on(relay, sink_factory, settings):
-    """Deliveries are recorded while the round still sends (every quarter of a second),
-    so a worker killed in the middle of a round re-sends only what it had not
+    """Deliveries are recorded while the round still sends (each before its
+    connection's next transaction), so a worker killed in the middle of a round re-sends only what it had not
     recorded yet, not the whole round."""
     from django.db import connection
 
