@@ -15,8 +15,18 @@ from insight.deferrals import deferral_groups
 from insight.explain import explain_queue
 from insight.incidents import incidents
 from queues import clock
+from queues.filters import MessageFilter, messages_page, messages_prefetch
 from queues.models import Attempt, AttemptOutcome, Queue, QueueSample
-from queues.ui.views import _page, _query, _queue_live, _queue_row, viewer_required
+from queues.services.counts import current_counts
+from queues.ui.views import (
+    _message_row,
+    _page,
+    _query,
+    _queue_live,
+    _queue_rows,
+    _totals,
+    viewer_required,
+)
 
 CHART_WINDOW = timedelta(hours=2)  # QueueSample keeps two hours
 TOP_ERRORS = 5
@@ -111,8 +121,11 @@ def history(queue: Queue, now: datetime) -> list[dict[str, Any]]:
     return points
 
 
-def _live(queue: Queue, now: datetime) -> dict[str, Any]:
-    row = _queue_row(queue, now)
+HELD_SHOWN = 20  # messages listed on a queue's page (the rest: its messages list)
+
+
+def _live(queue: Queue, now: datetime, row: dict[str, Any] | None = None) -> dict[str, Any]:
+    row = row or _queue_rows([queue], now)[0]
     link = queue.link if queue.link_id else None
     groups = sorted(deferral_groups(now, queue.pk).groups, key=lambda g: -g.recipients)
     return {
@@ -147,23 +160,41 @@ def _live(queue: Queue, now: datetime) -> dict[str, Any]:
     }
 
 
+def _held_rows(queue: Queue) -> list[dict[str, Any]]:
+    """The first messages the queue holds, newest first: what its count counts."""
+    page = messages_page(MessageFilter(queue=queue.pk), None, None, HELD_SHOWN)
+    recipients = messages_prefetch(page.items)
+    return [_message_row(m, recipients[m.pk]) for m in page.items]
+
+
 @viewer_required
 @require_GET
 def queue_page(request: HttpRequest, pk: int) -> HttpResponse:
-    queue = get_object_or_404(Queue.objects.select_related("link"), pk=pk)
     now = clock.now()
+    counts = current_counts(now)  # before the row is read: the count it shows is this one
+    queue = get_object_or_404(Queue.objects.select_related("link"), pk=pk)
+    row = _queue_rows([queue], now)[0]
     return _page(
         request,
         "insight/queue.html",
         "queues",
+        totals=_totals(counts, now),
         q=queue,
-        row=_queue_row(queue, now),
-        live=_live(queue, now),
+        row=row,
+        live=_live(queue, now, row),
+        held=_held_rows(queue),
+        held_shown=HELD_SHOWN,
+        as_of=counts.text(now),
+        messages_query=_query({"queue": str(queue.pk)}),
     )
 
 
 @viewer_required
 @require_GET
 def queue_live(request: HttpRequest, pk: int) -> JsonResponse:
+    now = clock.now()
+    counts = current_counts(now)
     queue = get_object_or_404(Queue.objects.select_related("link"), pk=pk)
-    return JsonResponse(_live(queue, clock.now()))
+    data = _live(queue, now)
+    data["as_of"] = counts.text(now)
+    return JsonResponse(data)

@@ -298,6 +298,10 @@ MAILRELAY_SMTP_DATA_TIMEOUT = env_duration("MAILRELAY_SMTP_DATA_TIMEOUT", "10m")
 MAILRELAY_SHAPING = env_str("MAILRELAY_SHAPING", "")
 
 MAILRELAY_SWEEP_INTERVAL = env_duration("MAILRELAY_SWEEP_INTERVAL", "30s")
+# Queue counts are recounted for each read (exact) while the queues hold at most
+# this many messages; above it they are the sweep's, shown with their age
+# (queues.services.counts.current_counts). 0: always the sweep's.
+MAILRELAY_LIVE_COUNTS_UP_TO = env_int("MAILRELAY_LIVE_COUNTS_UP_TO", 20000)
 MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT = env_duration("MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT", "2d")
 MAILRELAY_CATEGORIZER_RETRY_INTERVAL = env_duration("MAILRELAY_CATEGORIZER_RETRY_INTERVAL", "5m")
 MAILRELAY_COMPLETED_RETENTION = env_duration("MAILRELAY_COMPLETED_RETENTION", "1d")

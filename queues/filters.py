@@ -36,6 +36,7 @@ from django.utils.dateparse import parse_datetime
 
 from queues import clock
 from queues.headers import header_block
+from queues.holdings import holds_q
 from queues.models import (
     AuditEntry,
     DeliveryType,
@@ -384,7 +385,13 @@ MESSAGE_FILTERS: tuple[FilterParam, ...] = (
         "any of (comma list): " + ", ".join(MessageSource.values),
         choices=lambda: MessageSource.choices,
     ),
-    FilterParam("queue", "int", "a recipient is in this queue (id)", label="Queue (number)"),
+    FilterParam(
+        "queue",
+        "int",
+        "held by this queue (id), as its count counts: waiting or in flight there; "
+        "Dead-letter: its dead letters; Submission: in the categorizer",
+        label="Queue (number)",
+    ),
     FilterParam(
         "newer_than",
         "when",
@@ -431,7 +438,7 @@ class MessageFilter:
     message_id: str = ""  # substring of the Message-ID header
     subject: str = ""  # substring of the Subject
     status: list[str] = field(default_factory=list)  # MessageStatus values (any of)
-    queue: int | None = None  # a recipient waits (or waited) in this queue
+    queue: int | None = None  # held by this queue (queues.holdings)
     older_than: datetime | None = None  # received before
     newer_than: datetime | None = None  # received at or after
     min_size: int | None = None
@@ -494,9 +501,9 @@ class MessageFilter:
                 cond |= message_status_q(status)
             qs = qs.filter(cond)
         if self.queue is not None:
-            qs = qs.filter(
-                Exists(Recipient.objects.filter(message=OuterRef("pk"), queue_id=self.queue))
-            )
+            # What the queue's count counts and its actions act on (one definition).
+            queue = Queue.objects.filter(pk=self.queue).first()
+            qs = qs.filter(holds_q(queue)) if queue is not None else qs.none()
         if self.older_than is not None:
             qs = qs.filter(received_at__lt=self.older_than)
         if self.newer_than is not None:

@@ -289,6 +289,15 @@ MESSAGE_ACTIONS: dict[str, OperatorAction] = {
             bulk_params=(),
         ),
         OperatorAction(
+            "retry",
+            "message",
+            actions.message_retry,
+            "Retry now",
+            "Retrying",
+            "try now (Postfix's postqueue -i): waiting recipients due now, their links' "
+            "retry time cleared; those in Unreachable are routed again now",
+        ),
+        OperatorAction(
             "remove",
             "message",
             actions.message_remove,

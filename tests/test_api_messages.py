@@ -361,7 +361,10 @@ def test_bulk_by_filter_without_confirm_only_counts(client):
     ("body", "detail"),
     [
         ({"action": "suspend"}, "give either ids or filter"),
-        ({"action": "explode", "ids": [1]}, "action: one of suspend, resume, resubmit, remove"),
+        (
+            {"action": "explode", "ids": [1]},
+            "action: one of suspend, resume, resubmit, retry, remove",
+        ),
         ({"action": "suspend", "filter": {"status": "lost"}}, "status: 'lost' is not one of"),
         ({"action": "suspend", "ids": ["x"]}, "ids: "),
     ],

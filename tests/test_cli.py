@@ -25,7 +25,9 @@ def run(*args) -> str:
 
 def test_queue_list_shows_each_queue_with_status_and_count():
     queue = make_queue("example.net")
-    Queue.objects.filter(pk=queue.pk).update(message_count=7, suspended=True)
+    Queue.objects.filter(pk=queue.pk).update(suspended=True)
+    for i in range(7):
+        make_message(f"u{i}@example.net", queue=queue)
     make_queue("other.example")
     out = run("queue", "list")
     lines = out.splitlines()
@@ -132,7 +134,16 @@ def test_a_filter_action_counts_first_and_acts_with_yes():
         make_message(f"u{i}@example.net", queue=queue, received_at=clock.now() - timedelta(days=1))
     make_message("new@example.net", queue=queue)
     out = run("message", "suspend", "--older-than", "2h")
-    assert out.strip() == "suspend would touch 3 messages; run again with --yes to do it"
+    lines = out.strip().splitlines()
+    assert lines[0] == "suspend would touch 3 messages; run again with --yes to do it"
+    # The first messages it would touch (-WhatIf), oldest first: id, qid, age, queue, envelope.
+    assert lines[1] == "  the first 3 messages it would touch:"
+    assert [line.split()[1] for line in lines[2:]] == list(
+        Message.objects.exclude(recipients__address="new@example.net")
+        .order_by("id")
+        .values_list("qid", flat=True)
+    )
+    assert all("1d example.net" in line and "<a@example.org> → u" in line for line in lines[2:])
     assert not Message.objects.filter(suspended=True).exists()
     assert "suspend: 3 messages changed" in run("message", "suspend", "--older-than", "2h", "--yes")
     assert AuditEntry.objects.get().filter == {"older_than": "2h"}

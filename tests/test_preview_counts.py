@@ -19,6 +19,7 @@ from django.core.management import call_command
 
 from queues import clock
 from queues.filters import MessageFilter, QueueFilter
+from queues.holdings import HELD_STATES
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
@@ -313,6 +314,21 @@ def test_the_api_dry_run_answers_the_preview_for_ids_and_filters(store):
     body = {"action": "remove", "ids": ids, "ndr": True, "dry_run": True}
     dry = client.post("/api/v1/messages/bulk/", body, format="json").json()
     assert (dry["count"], dry["confirmed"]) == (3, False)
+    # The first messages it would touch (-WhatIf), oldest first, beside the counts.
+    sample = dry["preview"].pop("sample")
+    touched = sorted(store[k].pk for k in ("ready", "ready2", "unreachable"))
+    assert [row["id"] for row in sample] == touched
+    assert sample[1] == {
+        "id": store["ready2"].pk,
+        "qid": store["ready2"].qid,
+        "sender": "S1@example.org",
+        "recipients": ["r2@example.net", "r3@example.net"],
+        "more_recipients": 0,
+        "queues": ["example.net"],
+        "age_seconds": sample[1]["age_seconds"],
+    }
+    assert 0 <= sample[1]["age_seconds"] < 60
+    assert sample[2]["sender"] == "<>" and sample[2]["queues"] == ["nowhere.example"]
     assert dry["preview"] == {
         "action": "remove",
         "count": 3,
@@ -352,10 +368,19 @@ def test_the_commands_dry_run_prints_the_consequences(store):
         "queue", "reroute", "example.net", "--to", "[127.0.0.7]:2525", "--dry-run", stdout=out
     )
     waiting = Recipient.objects.filter(queue=store["queue"], state__in=WAITING_RECIPIENT_STATES)
-    assert out.getvalue().splitlines() == [
+    lines = out.getvalue().splitlines()
+    held = list(
+        Message.objects.filter(recipients__queue=store["queue"], recipients__state__in=HELD_STATES)
+        .distinct()
+        .order_by("id")
+        .values_list("id", flat=True)
+    )
+    assert lines[:3] == [
         "reroute would touch 1 queues; run again without --dry-run to do it",
         f"  {waiting.values('message_id').distinct().count()} messages wait in those queues",
+        f"  the first {len(held)} messages it would touch:",
     ]
+    assert [line.split()[0] for line in lines[3:]] == [str(pk) for pk in held]
     assert not AuditEntry.objects.exists()
 
 

@@ -201,3 +201,47 @@ def test_a_filter_action_counts_first_and_acts_after_the_confirmation(relay, pag
     expect(page.get_by_role("status")).to_contain_text("3 matching messages changed")
     expect(page.locator("#messages [data-live=status]")).to_have_text(["Suspended"] * 3)
     assert Message.objects.filter(suspended=True).count() == 3
+
+
+def test_ticked_remove_asks_first_and_a_dead_letter_queue_shows_its_messages(page, live_server):
+    """Issue #23: "Selected: Remove…" shows what it would do and to which messages
+    before it acts; the Dead-letter queue's page lists what it holds."""
+
+    def setup() -> tuple[Message, Message, int, Message]:
+        from queues.models import DeliveryType
+
+        make_user("olga", "operator")
+        queue = Queue.objects.create(name="example.net", created_at=clock.now())
+        dead = Queue.objects.create(
+            name="Dead-letter", delivery_type=DeliveryType.DEAD_LETTER, created_at=clock.now()
+        )
+        keep = accept("alice@example.org", "keep@example.net", "keep")
+        drop = accept("alice@example.org", "drop@example.net", "drop")
+        gone = accept("alice@example.org", "gone@example.net", "gone")
+        Recipient.objects.filter(message__in=[keep, drop]).update(
+            queue=queue, state=RecipientState.QUEUED
+        )
+        Recipient.objects.filter(message=gone).update(
+            queue=dead, state=RecipientState.FAILED, final_at=clock.now()
+        )
+        Message.objects.filter(pk__in=[keep.pk, drop.pk]).update(state=MessageState.QUEUED)
+        Message.objects.filter(pk=gone.pk).update(state=MessageState.DONE)
+        return keep, drop, dead.pk, gone
+
+    keep, drop, dead_id, gone = off_loop(setup)
+    login(page, "olga")
+    page.goto("/messages/")
+    page.locator(f'tr[data-message-id="{drop.pk}"] input[name=ids]').check()
+    page.get_by_role("button", name="Remove without NDR").first.click()
+    expect(page.locator("#confirm-sample")).to_contain_text(drop.qid)
+    expect(page.locator("#confirm-count")).to_have_text("1")
+    assert off_loop(lambda: Recipient.objects.get(message=drop).state) == RecipientState.QUEUED
+    page.locator("#confirm-button").click()
+    expect(page.get_by_role("status")).to_contain_text("1 of 1 selected messages changed")
+    states = off_loop(lambda: {m.pk: Recipient.objects.get(message=m).state for m in (keep, drop)})
+    assert states == {keep.pk: RecipientState.QUEUED, drop.pk: RecipientState.FAILED}
+
+    page.goto(f"/queues/{dead_id}/")
+    expect(page.locator("#queue-depth")).to_have_text("1")
+    expect(page.locator("#queue-messages")).to_contain_text(gone.qid)
+    expect(page.locator('#queue-offers [data-offer="resubmit"]')).to_have_count(1)

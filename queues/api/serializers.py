@@ -12,6 +12,7 @@ from rest_framework import serializers
 
 from queues import clock
 from queues.filters import message_body_preview, message_headers, message_status, queue_status
+from queues.holdings import next_attempts
 from queues.models import Attempt, AuditEntry, Event, Link, Message, Queue, Recipient
 
 MAX_ATTEMPTS_SHOWN = 500
@@ -61,6 +62,8 @@ class QueueSerializer(serializers.ModelSerializer):
     oldest_age_seconds = serializers.SerializerMethodField()
     last_error = serializers.SerializerMethodField()
     effective_limits = serializers.SerializerMethodField()
+    next_attempt_at = serializers.SerializerMethodField()
+    count_age_seconds = serializers.SerializerMethodField()
 
     class Meta:
         model = Queue
@@ -86,12 +89,30 @@ class QueueSerializer(serializers.ModelSerializer):
             "last_error",
             "last_error_at",
             "next_retry_at",
+            "next_attempt_at",
+            "count_age_seconds",
             "last_delivery_at",
             "created_at",
         ]
 
     def get_status(self, queue: Queue) -> str:
         return queue_status(queue)
+
+    def get_next_attempt_at(self, queue: Queue) -> datetime | None:
+        """The earliest next attempt over what it holds, not before the link's retry
+        (queues.holdings.next_attempts; the view passes them for its page)."""
+        known = self.context.get("next_attempts")
+        if known is None or queue.pk not in known:
+            known = next_attempts([queue])
+        return known.get(queue.pk)
+
+    def get_count_age_seconds(self, queue: Queue) -> int | None:
+        """How old message_count is: 0 when counted for this answer (exact), else
+        seconds since the sweep's recount (queues.services.counts.current_counts)."""
+        counts = self.context.get("counts")
+        if counts is None:
+            return None
+        return counts.age_seconds(clock.now())
 
     def get_effective_limits(self, queue: Queue) -> str:
         """Traffic shaping now (docs/shaping.md): "" without MAILRELAY_SHAPING."""
@@ -392,6 +413,9 @@ class PreviewSerializer(serializers.Serializer):
     ndrs = serializers.IntegerField()
     ndr_senders = serializers.IntegerField()
     messages = serializers.IntegerField()
+    # The first messages it would touch, oldest first: id, qid, sender,
+    # recipients (the first three; more_recipients), queues, age_seconds.
+    sample = serializers.ListField(child=serializers.DictField())
 
 
 class ExportSerializer(serializers.Serializer):

@@ -59,6 +59,7 @@ from queues.filters import (
     parse_limit,
     queues_page,
 )
+from queues.holdings import next_attempts
 from queues.models import AuditEntry, Link, Message, Queue
 from queues.permissions import (
     OPERATOR,
@@ -69,7 +70,7 @@ from queues.permissions import (
 )
 from queues.services import actions
 from queues.services.actions import ActionConflict, ActionInvalid, ActionTooLarge, Via
-from queues.services.counts import error_groups, qshape, queue_history
+from queues.services.counts import current_counts, error_groups, qshape, queue_history
 from queues.spec import (
     MESSAGE_ACTIONS,
     QUEUE_ACTIONS,
@@ -274,11 +275,19 @@ class QueueViewSet(OperatorAPI, viewsets.GenericViewSet):
     @extend_schema(parameters=QUEUE_FILTER_PARAMS, responses=_paginated(QueueSerializer))
     def list(self, request: Request) -> Response:
         sort, cursor, limit = _page_params(request, 100, 1000)
+        now = clock.now()
+        counts = current_counts(now)  # before the rows are read: their counts are this one
         page = queues_page(QueueFilter.from_params(request.query_params), sort, cursor, limit)
-        return _page_response(request, page, QueueSerializer(page.items, many=True).data)
+        context = {"counts": counts, "next_attempts": next_attempts(page.items)}
+        response = _page_response(
+            request, page, QueueSerializer(page.items, many=True, context=context).data
+        )
+        response.data["counts"] = counts.as_dict(now)
+        return response
 
     def retrieve(self, request: Request, pk=None) -> Response:
-        return Response(self.get_serializer(self.get_object()).data)
+        counts = current_counts(clock.now())
+        return Response(QueueSerializer(self.get_object(), context={"counts": counts}).data)
 
     @extend_schema(request=BulkSerializer, responses=BulkResultSerializer)
     @action(detail=False, methods=["post"])

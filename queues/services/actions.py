@@ -35,6 +35,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.db.models.functions import Lower
 
 from queues import bodies, clock
+from queues.holdings import held_count, held_recipients_q, holds_q, queue_messages
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
@@ -49,8 +50,9 @@ from queues.models import (
     RecipientState,
 )
 from queues.replay import replay_envelope
-from queues.services import envelope_edits, reroute
+from queues.services import envelope_edits, preview_sample, reroute
 from queues.services.action_errors import ActionConflict, ActionInvalid, ActionTooLarge
+from queues.services.retry_now import retry_now, retry_selection
 from queues.services.timed import parse_until, until_text
 from queues.signals import categorizer_work, link_work
 
@@ -94,6 +96,7 @@ class MessageAction(models.TextChoices):
     SUSPEND = "suspend"
     RESUME = "resume"
     RESUBMIT = "resubmit"
+    RETRY = "retry"
     REMOVE = "remove"
 
 
@@ -369,12 +372,32 @@ def _waiting_count(queue: Queue) -> int:
     )
 
 
+# Queues that hold messages no next hop can take: resubmit (or remove) them instead.
+PARKING_QUEUES = (DeliveryType.DEAD_LETTER, DeliveryType.POISON)
+
+
+def _nothing_waiting(queue: Queue, verb: str) -> ActionConflict:
+    """The conflict of a queue with nothing to ``verb``, in the words of its count."""
+    held = held_count(queue)
+    if held:
+        return ActionConflict(
+            f"queue {queue.name} has no messages waiting to {verb}: its {held} messages "
+            "are being delivered right now"
+        )
+    return ActionConflict(f"queue {queue.name} has no messages waiting: it holds none")
+
+
 def _queue_retry(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
+    if queue.delivery_type in PARKING_QUEUES:
+        raise ActionConflict(
+            f"queue {queue.name} has no next hop to retry: resubmit its messages "
+            "(or remove them) instead"
+        )
     if queue.suspended:
         raise ActionConflict(f"queue {queue.name} is suspended: resume it to deliver its messages")
     count = _waiting_count(queue)
     if not count:
-        raise ActionConflict(f"queue {queue.name} has no messages waiting")
+        raise _nothing_waiting(queue, "retry")
     if queue.delivery_type == DeliveryType.UNREACHABLE:
         # No next hop to retry: retrying Unreachable is routing it again now.
         _resubmit_recipients(Recipient.objects.filter(queue=queue), now)
@@ -395,9 +418,21 @@ def _queue_retry(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int
 
 
 def _queue_resubmit(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
+    if queue.delivery_type == DeliveryType.DEAD_LETTER:
+        # Its dead letters, each back to the categorizer with a fresh expiry (MSMQ).
+        ids = list(
+            queue_messages(queue)
+            .select_for_update(of=("self",))
+            .order_by("id")
+            .values_list("id", flat=True)
+        )
+        if not ids:
+            raise ActionConflict(f"queue {queue.name} has no messages waiting: it holds none")
+        count = _resubmit(ids, now)
+        return count
     count = _waiting_count(queue)
     if not count:
-        raise ActionConflict(f"queue {queue.name} has no messages waiting")
+        raise _nothing_waiting(queue, "resubmit")
     _resubmit_recipients(Recipient.objects.filter(queue=queue), now)
     _after_commit_categorizer()
     return count
@@ -548,6 +583,13 @@ def _queue_has_waiting() -> Exists:
     )
 
 
+def _queue_has_dead() -> Exists:
+    # The Dead-letter queue's holdings (queues.holdings.held_recipients_q).
+    return Exists(
+        Recipient.objects.filter(held_recipients_q(DeliveryType.DEAD_LETTER), queue=OuterRef("pk"))
+    )
+
+
 def _delivery_queues(queryset: QuerySet[Queue]) -> QuerySet[Queue]:
     return queryset.exclude(delivery_type=DeliveryType.SUBMISSION)
 
@@ -576,7 +618,9 @@ QUEUE_SELECTIONS: dict[str, Callable[[QuerySet[Queue], Options], QuerySet[Queue]
         Q(delivery_type=DeliveryType.UNREACHABLE) | Q(link__isnull=False),
         suspended=False,
     ),
-    QueueAction.RESUBMIT: lambda qs, opts: _delivery_queues(qs).filter(_queue_has_waiting()),
+    QueueAction.RESUBMIT: lambda qs, opts: _delivery_queues(qs).filter(
+        _queue_has_waiting() | (Q(delivery_type=DeliveryType.DEAD_LETTER) & _queue_has_dead())
+    ),
     QueueAction.SUSPEND: lambda qs, opts: _delivery_queues(qs).filter(suspended=False),
     QueueAction.RESUME: lambda qs, opts: _delivery_queues(qs).filter(suspended=True),
     QueueAction.REROUTE: _select_reroute,
@@ -590,6 +634,9 @@ def queues_select(
     """The queues of a selection that ``queues_apply(action, …)`` changes."""
     return QUEUE_SELECTIONS[QueueAction(action).value](queryset, opts)
 
+
+# The queues whose messages a queue action's preview samples.
+SAMPLE_QUEUES = 20
 
 # Queues named with their before and after in one bulk action's audit detail.
 AUDIT_ROWS = 50
@@ -797,6 +844,41 @@ def message_resubmit(
         return "\n".join([text, *changes])
 
     return _message_action("resubmit", message, actor, via, check, apply, detail)
+
+
+def _retry(message_ids: Sequence[int], now: datetime) -> int:
+    changed, links, categorizer = retry_now(message_ids, now)
+    if categorizer:
+        _after_commit_categorizer()
+    _after_commit_links(links)
+    return changed
+
+
+def message_retry(message: Message, actor: Actor, via: str) -> int:
+    """Try the message now (Postfix's ``postqueue -i``): its waiting recipients are
+    due now and their links' retry time is cleared; those in Unreachable are
+    routed again now (queues.services.retry_now)."""
+
+    def check(m: Message) -> None:
+        _require_live(m, "retry")
+        _require_not_categorizing(m, "retry")
+        if m.suspended:
+            raise ActionConflict(f"message {m.qid} is suspended: resume it to try it")
+        if not retry_selection(Message.objects.filter(pk=m.pk)).exists():
+            raise ActionConflict(
+                f"message {m.qid} has nothing to retry: it is due already, being "
+                "delivered right now, or waits in a suspended queue"
+            )
+
+    return _message_action(
+        "retry",
+        message,
+        actor,
+        via,
+        check,
+        lambda ids, now, opts: _retry(ids, now),
+        lambda b, a, n: _before_after(b["where"], f"due now, {_where(a)}"),
+    )
 
 
 def message_remove(message: Message, actor: Actor, via: str, ndr: bool = False) -> int:
@@ -1012,6 +1094,7 @@ MESSAGE_SELECTIONS: dict[str, Callable[[QuerySet[Message]], QuerySet[Message]]] 
     MessageAction.RESUME: lambda qs: qs.filter(suspended=True).exclude(state=MessageState.DONE),
     MessageAction.RESUBMIT: _select_resubmit,
     MessageAction.REMOVE: _select_remove,
+    MessageAction.RETRY: retry_selection,
 }
 
 
@@ -1034,7 +1117,9 @@ class Preview:
     (resubmit: back to the categorizer; suspend/resume: held/released) or fails
     (remove); ``failing``: those that will fail; ``ndrs``: the non-delivery
     reports it will send, to ``ndr_senders`` distinct senders. Queue actions:
-    ``messages`` waiting in the queues it changes.
+    ``messages`` held by the queues it changes. ``sample``: the first messages
+    it would touch, oldest first (queues.services.preview_sample: id, qid,
+    sender, recipients, queues, age), beside the counts.
     """
 
     action: str
@@ -1046,6 +1131,7 @@ class Preview:
     ndrs: int = 0
     ndr_senders: int = 0
     messages: int = 0
+    sample: tuple[dict[str, Any], ...] = ()
 
     @property
     def skipped(self) -> int:
@@ -1126,7 +1212,10 @@ def messages_preview(
             .exclude(state__in=FINAL_RECIPIENT_STATES)
             .count()
         )
-    return Preview(action, count, matched, in_flight, recipients, failing, ndrs, ndr_senders)
+    first = tuple(preview_sample.sample(selected, clock.now())) if count else ()
+    return Preview(
+        action, count, matched, in_flight, recipients, failing, ndrs, ndr_senders, sample=first
+    )
 
 
 def queues_preview(
@@ -1134,11 +1223,16 @@ def queues_preview(
 ) -> Preview:
     """What ``queues_apply(action, queryset, …)`` will change, without changing it."""
     action = QueueAction(action).value
-    opts = options_for(actor, clock.now(), **options)
+    now = clock.now()
+    opts = options_for(actor, now, **options)
     selected = queues_select(action, queryset, opts)
     count = selected.count()
     messages = 0
+    first: tuple[dict[str, Any], ...] = ()
     if count:
+        held = Q()
+        for queue in selected.order_by("id")[:SAMPLE_QUEUES]:
+            held |= holds_q(queue)
         messages = (
             Recipient.objects.filter(
                 queue__in=selected.values("pk"), state__in=WAITING_RECIPIENT_STATES
@@ -1147,7 +1241,11 @@ def queues_preview(
             .distinct()
             .count()
         )
-    return Preview(action, count, queryset.count(), messages=messages)
+        dead = selected.filter(delivery_type=DeliveryType.DEAD_LETTER).first()
+        if dead is not None:
+            messages += held_count(dead)
+        first = tuple(preview_sample.sample(Message.objects.filter(held), now))
+    return Preview(action, count, queryset.count(), messages=messages, sample=first)
 
 
 def _dead_letters_of(ids: QuerySet) -> QuerySet[Recipient]:
@@ -1200,6 +1298,9 @@ def messages_apply(
         elif action == MessageAction.RESUBMIT:
             count = _resubmit(message_ids, now)
             detail = _before_after("waiting in a queue, or a dead letter", "in Submission, due now")
+        elif action == MessageAction.RETRY:
+            count = _retry(message_ids, now)
+            detail = _before_after("waiting", "due now")
         else:
             removed = _remove(message_ids, now, actor, ndr)
             message_ids = list(removed)
@@ -1237,6 +1338,7 @@ __all__ = [
     "message_remove",
     "message_resubmit",
     "message_resume",
+    "message_retry",
     "message_suspend",
     "messages_apply",
     "messages_export_zip",

@@ -56,6 +56,7 @@ from queues.filters import (
     queue_status,
     queues_page,
 )
+from queues.holdings import next_attempts
 from queues.models import (
     Attempt,
     DeliveryType,
@@ -70,13 +71,21 @@ from queues.permissions import can_act, can_read_content, can_view, user_role
 from queues.services.actions import (
     ActionConflict,
     ActionTooLarge,
+    MessageAction,
     Via,
     message_export_pieces,
     message_export_size,
     messages_export_zip_file,
     timed_notes,
 )
-from queues.services.counts import error_groups, qshape, queue_history
+from queues.services.counts import (
+    CountsAsOf,
+    current_counts,
+    error_groups,
+    qshape,
+    queue_history,
+)
+from queues.services.preview_sample import age_words
 from queues.services.reroute import REROUTABLE
 from queues.services.timed import until_text
 from queues.spec import MESSAGE_ACTIONS, OPTION_HELP, QUEUE_ACTIONS, OperatorAction, actions_for
@@ -138,7 +147,9 @@ def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpRe
 
 
 def _page(request: HttpRequest, template: str, section: str, **context: Any) -> HttpResponse:
-    context.setdefault("totals", _totals())
+    if "totals" not in context:
+        now = clock.now()
+        context["totals"] = _totals(current_counts(now), now)
     context.update(
         section=section,
         role=user_role(request.user) or "no role",
@@ -173,27 +184,61 @@ def _ids(values: list[str]) -> list[int]:
 # --- rows: what a table line shows --------------------------------------------------
 
 
-def _queue_row(queue: Queue, now) -> dict[str, Any]:
+# What each special queue offers: its messages' actions, through the messages'
+# confirmation page (a preview listing the first messages) — never a silent 409.
+SPECIAL_OFFERS: dict[str, tuple[tuple[str, str], ...]] = {
+    DeliveryType.DEAD_LETTER: (("resubmit", "Resubmit all"), ("export", "Export")),
+    DeliveryType.POISON: (
+        ("resubmit", "Resubmit all"),
+        ("remove", "Remove"),
+        ("remove_ndr", "Remove with NDR"),
+        ("export", "Export"),
+    ),
+    DeliveryType.UNREACHABLE: (
+        ("resubmit", "Resubmit all"),
+        ("remove", "Remove"),
+        ("remove_ndr", "Remove with NDR"),
+        ("export", "Export"),
+    ),
+}
+# The queue actions a row offers by delivery type (the rest: all of them).
+ROW_ACTIONS: dict[str, frozenset[str]] = {
+    DeliveryType.SUBMISSION: frozenset(),
+    DeliveryType.DEAD_LETTER: frozenset(),
+    DeliveryType.POISON: frozenset(),
+    DeliveryType.UNREACHABLE: frozenset({"retry", "suspend", "resume"}),
+}
+
+
+def _queue_row(queue: Queue, now, next_at=None) -> dict[str, Any]:
     status = queue_status(queue)
     link = queue.link if queue.link_id else None
-    next_retry = link.next_retry_at if link is not None and link.state == LinkState.RETRY else None
     last_error = queue.last_error or (link.last_error if link is not None else "")
+    offers = ROW_ACTIONS.get(queue.delivery_type, frozenset(UI_QUEUE_ACTIONS))
     return {
         "queue": queue,
         "link": link,
         "status": status,
         "status_label": QueueStatus(status).label,
-        "next_retry_at": next_retry,
-        "next_retry": relative_text(next_retry, now),
+        # The earliest next attempt over its recipients, not before the link's retry.
+        "next_retry_at": next_at,
+        "next_retry": _next_attempt(next_at, now) if next_at is not None else "",
         "last_error": last_error,
         "oldest": age_text(queue.oldest_received_at, now),
         "rate_in": rate_text(queue.incoming_rate),
         "rate_out": rate_text(queue.outgoing_rate),
-        "actionable": queue.delivery_type != DeliveryType.SUBMISSION,
+        "actionable": bool(offers),
+        "offers": offers,
+        "special_offers": SPECIAL_OFFERS.get(queue.delivery_type, ()),
         # "suspended until T by X", "re-routed to [10.0.0.9]:25 until T by X"
         "notes": timed_notes(queue, now),
         "reroutable": queue.delivery_type in REROUTABLE,
     }
+
+
+def _queue_rows(queues: list[Queue], now) -> list[dict[str, Any]]:
+    nexts = next_attempts(queues)
+    return [_queue_row(q, now, nexts.get(q.pk)) for q in queues]
 
 
 def _queue_live(row: dict[str, Any]) -> dict[str, Any]:
@@ -252,15 +297,22 @@ def _message_live(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _totals() -> dict[str, int]:
-    """The header's numbers: from the queue rows (kept by the sweep), one aggregate."""
-    totals = Queue.objects.aggregate(
-        messages=Sum("message_count"),
+def _totals(counts: CountsAsOf, now) -> dict[str, Any]:
+    """The header's numbers: the queue rows' counts (``current_counts`` first), one
+    aggregate. ``messages``: what the queues hold except the dead letters (a
+    message waiting for two destinations counts in each, as in their rows)."""
+    dead = Q(delivery_type=DeliveryType.DEAD_LETTER)
+    totals: dict[str, Any] = Queue.objects.aggregate(
+        messages=Sum("message_count", filter=~dead),
+        dead_letters=Sum("message_count", filter=dead),
         queues=Count("id"),
         suspended_queues=Count("id", filter=Q(suspended=True)),
         retry_queues=Count("id", filter=Q(suspended=False, link__state=LinkState.RETRY)),
     )
-    return {k: v or 0 for k, v in totals.items()}
+    totals = {k: v or 0 for k, v in totals.items()}
+    # "" when the counts were made for this read; else "as of 12 s ago".
+    totals["as_of"] = counts.text(now)
+    return totals
 
 
 # --- pages --------------------------------------------------------------------------
@@ -275,6 +327,7 @@ def home(request: HttpRequest) -> HttpResponse:
 @require_GET
 def queue_list(request: HttpRequest) -> HttpResponse:
     now = clock.now()
+    counts = current_counts(now)  # before any count is read: every number from one count
     form = QueueFilterForm(request.GET or None)
     rows: list[dict[str, Any]] = []
     page = None
@@ -282,13 +335,14 @@ def queue_list(request: HttpRequest) -> HttpResponse:
     try:
         f = QueueFilter.from_params(request.GET)
         page = queues_page(f, request.GET.get("sort"), request.GET.get("cursor"), QUEUES_PER_PAGE)
-        rows = [_queue_row(q, now) for q in page.items]
+        rows = _queue_rows(page.items, now)
     except FilterError as e:
         flash.error(request, str(e))
     return _page(
         request,
         "ui/queue_list.html",
         "queues",
+        totals=_totals(counts, now),
         form=form,
         rows=rows,
         page=page,
@@ -480,11 +534,13 @@ def audit(request: HttpRequest) -> HttpResponse:
 def live(request: HttpRequest) -> JsonResponse:
     """The small JSON the pages poll: totals, the shown queues and messages, the chart."""
     now = clock.now()
-    data: dict[str, Any] = {"now": now.isoformat(), "totals": _totals()}
+    counts = current_counts(now)
+    data: dict[str, Any] = {"now": now.isoformat(), "totals": _totals(counts, now)}
     queue_ids = _ids(request.GET.get("queues", "").split(","))[:LIVE_MAX_IDS]
     if queue_ids:
-        queues = Queue.objects.filter(id__in=queue_ids).select_related("link")
-        data["queues"] = {str(q.pk): _queue_live(_queue_row(q, now)) for q in queues}
+        queues = list(Queue.objects.filter(id__in=queue_ids).select_related("link"))
+        rows = _queue_rows(queues, now)
+        data["queues"] = {str(row["queue"].pk): _queue_live(row) for row in rows}
     message_ids = _ids(request.GET.get("messages", "").split(","))[:LIVE_MAX_IDS]
     if message_ids:
         found = list(Message.objects.filter(id__in=message_ids).defer("data"))
@@ -598,12 +654,18 @@ def queues_confirm(request: HttpRequest) -> HttpResponse:
         # the action's own selection: exactly the queues it will change
         count=preview.count,
         consequences=preview.lines("queues"),
+        sample=_sample_rows(preview),
         options=options,
         option_fields=_option_fields(spec, options),
         params=f.as_params(),
         cancel=reverse("ui:queues") + "?" + _query(f.as_params()),
         post_url=reverse("ui:queues_confirm"),
     )
+
+
+def _sample_rows(preview: Any) -> list[dict[str, Any]]:
+    """The preview's first messages, with their age in words, for confirm.html."""
+    return [dict(row, age=age_words(row["age_seconds"])) for row in preview.sample]
 
 
 def _bulk_result(
@@ -684,6 +746,8 @@ def messages_bulk(request: HttpRequest) -> HttpResponse:
     if spec is None:
         response = _zip_response(request, qs, ids=ids)
         return response or _back(request, fallback)
+    if spec.bulk_action == MessageAction.REMOVE and request.POST.get("confirmed") != "1":
+        return _confirm_selected(request, spec, qs, ids, fallback)
     try:
         changed = spec.apply(
             qs, request.user, Via.UI, ids=ids, **_action_options(spec, request.POST, bulk=True)
@@ -693,6 +757,39 @@ def messages_bulk(request: HttpRequest) -> HttpResponse:
         return _back(request, fallback)
     _bulk_result(request, spec.label, changed, len(ids), "messages")
     return _back(request, fallback)
+
+
+def _confirm_selected(
+    request: HttpRequest, spec: OperatorAction, qs, ids: list[int], fallback: str
+) -> HttpResponse:
+    """A removal of ticked messages asks first: what it would do, and to which."""
+    try:
+        preview = spec.dry_run(qs)
+    except ActionConflict as e:
+        _conflict(request, e)
+        return _back(request, fallback)
+    back = request.POST.get("next") or fallback
+    if not url_has_allowed_host_and_scheme(
+        back, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        back = fallback
+    return _page(
+        request,
+        "ui/confirm.html",
+        "messages",
+        kind="messages",
+        action=spec.name,
+        action_label=spec.label,
+        count=preview.count,
+        consequences=preview.lines("messages"),
+        sample=_sample_rows(preview),
+        options={},
+        option_fields=[],
+        params={},
+        ids=ids,
+        cancel=back,
+        post_url=reverse("ui:messages_bulk"),
+    )
 
 
 @operator_required
@@ -731,6 +828,7 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
     # the action's own selection: exactly the messages it will change, and what follows
     consequences: list[str] = []
     options: dict[str, Any] = {}
+    sample: list[dict[str, Any]] = []
     if spec is None:
         count = qs.count()
     else:
@@ -741,6 +839,7 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
             _conflict(request, e)
             return HttpResponseRedirect(list_url)
         count, consequences = preview.count, preview.lines("messages")
+        sample = _sample_rows(preview)
     return _page(
         request,
         "ui/confirm.html",
@@ -750,6 +849,7 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
         action_label=EXPORT_LABEL if spec is None else spec.label,
         count=count,
         consequences=consequences,
+        sample=sample,
         options=options,
         option_fields=_option_fields(spec, options),
         params=f.as_params(),

@@ -41,6 +41,7 @@ from queues.filters import (
 from queues.models import Message
 from queues.services import actions
 from queues.services.actions import ActionConflict, ActionTooLarge, Via
+from queues.services.preview_sample import sample_lines
 from queues.spec import (
     MESSAGE_ACTIONS,
     actions_for,
@@ -323,3 +324,7 @@ class Command(BaseCommand):
         self.stdout.write(f"{command} would touch {preview.count} messages; {how}")
         for line in preview.lines("messages")[1:]:
             self.stdout.write(f"  {line}")
+        if preview.sample:
+            self.stdout.write(f"  the first {len(preview.sample)} messages it would touch:")
+            for line in sample_lines(list(preview.sample)):
+                self.stdout.write(f"  {line}")

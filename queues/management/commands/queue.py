@@ -25,9 +25,12 @@ from queues.filters import (
     queue_status,
     queues_page,
 )
+from queues.holdings import next_attempts
 from queues.management.commands.message import add_actor_option, cli_actor
 from queues.models import Queue
 from queues.services.actions import ActionConflict, ActionInvalid, Via, timed_notes
+from queues.services.counts import current_counts
+from queues.services.preview_sample import sample_lines
 from queues.spec import (
     QUEUE_ACTIONS,
     actions_for,
@@ -121,8 +124,14 @@ class Command(BaseCommand):
         )
         for line in preview.lines("queues")[1:]:
             self.stdout.write(f"  {line}")
+        if preview.sample:
+            self.stdout.write(f"  the first {len(preview.sample)} messages it would touch:")
+            for line in sample_lines(list(preview.sample)):
+                self.stdout.write(f"  {line}")
 
     def _list(self, options: dict[str, Any]) -> None:
+        now = clock.now()
+        counts = current_counts(now)  # before the rows are read: their counts are this one
         try:
             f = QueueFilter.from_params(cli_params(options, QUEUE_FILTERS))
             page = queues_page(
@@ -130,23 +139,24 @@ class Command(BaseCommand):
             )
         except FilterError as exc:
             raise CommandError(str(exc)) from None
-        now = clock.now()
+        nexts = next_attempts(page.items)
         if options["json"]:
             from queues.api.serializers import QueueSerializer
 
-            for row in QueueSerializer(page.items, many=True).data:
+            context = {"counts": counts, "next_attempts": nexts}
+            for row in QueueSerializer(page.items, many=True, context=context).data:
                 self.stdout.write(json.dumps(row, default=str))
             return
         self.stdout.write(
             f"{'ID':>6} {'NAME':32} {'TYPE':13} {'STATUS':9} {'MSGS':>7} {'IN/m':>7} "
-            f"{'OUT/m':>7} {'OLDEST':>6} {'NEXT RETRY':19} LAST ERROR"
+            f"{'OUT/m':>7} {'OLDEST':>6} {'NEXT ATTEMPT':19} LAST ERROR"
         )
         for q in page.items:
             oldest = (now - q.oldest_received_at).total_seconds() if q.oldest_received_at else None
             link = q.link if q.link_id else None
-            retry_at = (
-                f"{link.next_retry_at:%Y-%m-%d %H:%M:%S}" if link and link.next_retry_at else "-"
-            )
+            # The earliest next attempt over what it holds, not before the link's retry.
+            next_at = nexts.get(q.pk)
+            retry_at = f"{next_at:%Y-%m-%d %H:%M:%S}" if next_at else "-"
             error = (link.last_error if link and link.state == "retry" else "") or q.last_error
             self.stdout.write(
                 f"{q.pk:>6} {q.name[:32]:32} {q.delivery_type:13} {queue_status(q):9} "
@@ -155,3 +165,5 @@ class Command(BaseCommand):
             )
             for note in timed_notes(q, now):
                 self.stdout.write(f"{'':>6} {note}")
+        if not counts.exact:
+            self.stdout.write(f"message counts {counts.text(now)} (the sweep's recount)")
