@@ -291,6 +291,17 @@ SELECT 'batch', lease_owner, extract(epoch FROM max(lease_until)) FROM queues_me
 """
 
 
+# Sessions waiting on a lock, and sessions holding a transaction open (a frozen
+# or cut-off owner keeps its row locks for as long as PostgreSQL keeps its session).
+_LOCKS_SQL = """
+SELECT client_port, state, coalesce(wait_event_type, ''),
+       extract(epoch FROM now() - coalesce(state_change, now())), left(query, 90)
+  FROM pg_stat_activity
+ WHERE datname = 'mailrelay' AND pid <> pg_backend_pid()
+   AND (wait_event_type = 'Lock' OR state LIKE 'idle in transaction%')
+"""
+
+
 @dataclass
 class Sample:
     at: float
@@ -309,6 +320,8 @@ class ClaimWatch(threading.Thread):
         self.samples: list[Sample] = []
         self.pid_host: dict[int, str] = {}
         self.last_poll = 0.0
+        # (at, host, "waits on a lock" / "idle in transaction", seconds, query)
+        self.sessions: list[tuple[float, str, str, float, str]] = []
         self._halt = threading.Event()
 
     def host_of(self, token: str) -> str:
@@ -330,10 +343,12 @@ class ClaimWatch(threading.Thread):
                 if conn is None or conn.closed:
                     conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
                 rows = conn.execute(_CLAIMS_SQL).fetchall()
+                sessions = conn.execute(_LOCKS_SQL).fetchall()
             except psycopg.Error:
                 conn = None
-                rows = []
+                rows, sessions = [], []
             now = time.time()
+            self._note_sessions(now, sessions)
             for kind, owner, until in rows:
                 token = owner.split("/")[0]
                 self.samples.append(Sample(now, kind, token, self.host_of(token), float(until)))
@@ -341,6 +356,28 @@ class ClaimWatch(threading.Thread):
             self._halt.wait(self.interval)
         if conn is not None:
             conn.close()
+
+    def _note_sessions(self, now: float, sessions: list[tuple]) -> None:
+        if not sessions:
+            return
+        owners = {local[1]: uid for local, _, _, uid in tcp_sockets() if local[0] == "127.0.0.1"}
+        for port, state, wait, seconds, query in sessions:
+            uid = owners.get(port)
+            host = "?" if uid is None else self.uid_host.get(uid, f"uid{uid}")
+            what = "waits on a lock" if wait == "Lock" else state
+            self.sessions.append((now, host, what, float(seconds or 0), " ".join(query.split())))
+
+    def long_sessions(self, since: float, at_least: float = 2.0) -> list[str]:
+        """The longest wait or open transaction per (host, what, query) after ``since``."""
+        worst: dict[tuple[str, str, str], tuple[float, float]] = {}
+        for at, host, what, seconds, query in self.sessions:
+            key = (host, what, query)
+            if at > since and seconds >= at_least and seconds > worst.get(key, (0, 0))[1]:
+                worst[key] = (at, seconds)
+        return [
+            f"{host}: {what} for {sec:.1f}s (seen at +{at - since:.1f}s): {query}"
+            for (host, what, query), (at, sec) in sorted(worst.items(), key=lambda i: -i[1][1])
+        ][:6]
 
     def stop(self) -> None:
         self._halt.set()
@@ -613,6 +650,8 @@ class Outcome:
     left: dict[str, int]
     measured: dict[str, int]
     log_lines: list[str] = field(default_factory=list)
+    copies: list[str] = field(default_factory=list)  # arrivals of duplicated messages
+    sessions: list[str] = field(default_factory=list)  # long lock waits / open transactions
 
 
 def delivery_figures(sink: HostSink, accepted: list[str], held: set[str], fault_at: float) -> dict:
@@ -630,7 +669,12 @@ def delivery_figures(sink: HostSink, accepted: list[str], held: set[str], fault_
         if a.mid in stranded and a.host == "a" and a.at > fault_at:
             by_a.setdefault(a.mid, a.at)
     in_time = [at for at in by_a.values() if at <= fault_at + STRANDED_WITHIN]
+    times: dict[str, list[str]] = {}
+    for a in arrivals:
+        if a.mid is not None and copies[a.mid] > 1:
+            times.setdefault(a.mid, []).append(f"{a.host} {a.at - fault_at:+.1f}s")
     return {
+        "copies": [f"{mid}: {', '.join(t)}" for mid, t in list(times.items())[:12]],
         "lost": len(missing),
         "duplicates": sum(n - 1 for n in copies.values()),
         "worst_copies": max(copies.values(), default=0),
@@ -654,16 +698,18 @@ def claim_log_lines(th: TwoHosts, limit: int = 6) -> list[str]:
 # --- one run per fault -----------------------------------------------------------------------
 
 
-def wait_b_round(th: TwoHosts, fault_after: int, timeout: float) -> set[str]:
+def wait_b_round(th: TwoHosts, fault_after: int, timeout: float, min_pending: int = 1) -> set[str]:
     """Wait until ``fault_after`` messages reached the sink and a round of B holds
-    recipients; return the Message-IDs it holds."""
+    at least ``min_pending`` messages not yet at the sink, with connections open
+    to it (not a round that is only recording); return the Message-IDs it holds."""
     deadline = time.monotonic() + timeout
     b, sink = th.hosts["b"], (th.sink.host, th.sink.port)
     while time.monotonic() < deadline:
         # Mid-round: B holds recipients and has connections open to the sink.
         if len(th.sink.arrivals) >= fault_after and outbound_open(b.uid, sink):
             held = th.b_round()
-            if held:
+            arrived = {a.mid for a in list(th.sink.arrivals)}
+            if len(held - arrived) >= min_pending:
                 return held
         time.sleep(0.05)
     raise RuntimeError(f"no round of host B after {timeout:.0f} s (logs in {th.logs})")
@@ -687,7 +733,7 @@ def run_fault(name: str, args: argparse.Namespace) -> Outcome:
         jobs = th.send_both(args.messages, args.clients, name)
         wait_b_round(th, 1, 180)
         th.start_a_delivery()
-        held = wait_b_round(th, args.fault_after, 180)
+        held = wait_b_round(th, args.fault_after, 180, min_pending=20)
         fault_at = time.time()
         measured = FAULTS[name](th, args.hold)
         by_host = Counter(a.host for a in list(th.sink.arrivals) if a.at <= fault_at)
@@ -711,6 +757,7 @@ def run_fault(name: str, args: argparse.Namespace) -> Outcome:
             left=th.left_claimed(),
             measured=measured,
             log_lines=claim_log_lines(th),
+            sessions=watch.long_sessions(fault_at),
             **figures,
         )
         if os.environ.get("FAULTS_KEEP_CLUSTER"):
@@ -816,6 +863,10 @@ def report(o: Outcome) -> None:
     print("  " + ", ".join(f"{k} {v}" for k, v in o.measured.items()))
     for line in o.sends.details:
         print(f"  B after its claim was lost: {line}")
+    for line in o.copies:
+        print(f"  copies of {line}")
+    for line in o.sessions:
+        print(f"  PostgreSQL session of {line}")
     for line in o.log_lines:
         print(f"  {line}")
 
