@@ -109,7 +109,8 @@ def test_rows_outlive_the_purged_message_and_stay_searchable(relay, sink_factory
     out = io.StringIO()
     call_command("track", "--recipient", "BOB@example.net", "--since", "2d", stdout=out)
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2 and "delivered" in lines[0] and "remote_id=7Abc" in lines[0]
+    assert len(lines) == 3 and "delivered" in lines[0] and "remote_id=7Abc" in lines[0]
+    assert " routed " in lines[1] and " received " in lines[2]
     out = io.StringIO()
     call_command("track", "--message-id", "m1@example.org", "--json", stdout=out)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
