@@ -109,6 +109,7 @@ MIDDLEWARE = [
     "mailrelay.secret_key.RequireSecretKey",  # the web app needs DJANGO_SECRET_KEY
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    "mailrelay.api_errors.JsonApiErrors",  # /api/'s 404 and 405 are JSON too
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
