@@ -212,7 +212,9 @@ LOGIN_REDIRECT_URL = "/"
 # --- Celery: Redis from CELERY_BROKER_URL, else kombu's filesystem transport.
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "")
 if not CELERY_BROKER_URL:
-    CELERY_BROKER_URL = "filesystem://"
+    # With a host: kombu warns "No hostname was supplied" on every connection of
+    # a URL without one (each worker, beat, the ingress: a dozen lines at start).
+    CELERY_BROKER_URL = "filesystem://localhost/"
     _broker_dir = DATA_DIR / "broker"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir),
