@@ -150,3 +150,25 @@ def test_a_key_file_is_listed_with_its_record_and_cannot_be_disabled_here(settin
     refused = admin.post("/dkim/example.org/e1/disable/", follow=True).content.decode()
     assert "remove the file to retire it" in refused
     assert (tmp_path / dkim.key_file_name("example.org", "e1")).exists()
+
+
+def test_the_command_disables_and_enables_a_database_key(settings):
+    import io
+
+    from django.core.management import CommandError, call_command
+
+    settings.MAILRELAY_DKIM_KEYS_DIR = ""
+    call_command("dkim", "generate", "example.net", "--selector", "s1", stdout=io.StringIO())
+    out = io.StringIO()
+    call_command("dkim", "disable", "example.net", "--selector", "s1", stdout=out)
+    assert out.getvalue().strip() == "s1._domainkey.example.net disabled"
+    assert "example.net" not in dkim.load_keys("")
+    call_command("dkim", "enable", "example.net", "--selector", "s1", stdout=out)
+    assert dkim.load_keys("")["example.net"].selector == "s1"
+    with pytest.raises(CommandError, match="no key s9._domainkey.example.net"):
+        call_command("dkim", "disable", "example.net", "--selector", "s9")
+    assert list(
+        AuditEntry.objects.filter(target_type="dkim_key")
+        .order_by("id")
+        .values_list("action", "via")
+    ) == [("dkim_generate", "cli"), ("dkim_disable", "cli"), ("dkim_enable", "cli")]
