@@ -5,6 +5,8 @@ COPY pyproject.toml constraints.txt ./
 COPY mailrelay ./mailrelay
 COPY queues ./queues
 COPY delivery ./delivery
+COPY tracking ./tracking
+COPY insight ./insight
 # The versions we test with (constraints.txt), not whatever is newest today.
 RUN pip install --no-cache-dir -c constraints.txt .
 COPY . .

@@ -142,7 +142,6 @@ def _apply(
         error = placement.error
         assert error is not None
         pairs = list(rows.values_list("id", "message_id"))
-        code = 550 if error.permanent else 451
         if error.permanent:
             failed_ids.extend(rid for rid, _ in pairs)
             rows.fail(
@@ -170,7 +169,8 @@ def _apply(
                     phase=AttemptPhase.ROUTE,
                     code=None,
                     enhanced=error.enhanced,
-                    text=f"{code} {error.enhanced} {error.text}",
+                    # No peer replied: no reply code; the enhanced code is its own field.
+                    text=error.text,
                     outcome=AttemptOutcome.FAILED if error.permanent else AttemptOutcome.DEFERRED,
                 )
             )

@@ -109,6 +109,7 @@ MIDDLEWARE = [
     "mailrelay.secret_key.RequireSecretKey",  # the web app needs DJANGO_SECRET_KEY
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    "mailrelay.api_errors.JsonApiErrors",  # /api/'s 404 and 405 are JSON too
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -211,7 +212,9 @@ LOGIN_REDIRECT_URL = "/"
 # --- Celery: Redis from CELERY_BROKER_URL, else kombu's filesystem transport.
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "")
 if not CELERY_BROKER_URL:
-    CELERY_BROKER_URL = "filesystem://"
+    # With a host: kombu warns "No hostname was supplied" on every connection of
+    # a URL without one (each worker, beat, the ingress: a dozen lines at start).
+    CELERY_BROKER_URL = "filesystem://localhost/"
     _broker_dir = DATA_DIR / "broker"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir),

@@ -1,5 +1,7 @@
 """REST API: authentication, roles, the audit log and the OpenAPI schema."""
 
+import re
+
 import pytest
 from django.core.management import call_command
 
@@ -139,3 +141,7 @@ def test_the_openapi_schema_and_its_docs_page_are_served():
         assert path in paths
     docs = client.get("/api/docs/")
     assert docs.status_code == 200 and b"swagger" in docs.content.lower()
+    # Served from our own static files (docs/api.md): the page works offline.
+    sources = re.findall(r'(?:src|href)="([^"]+)"', docs.content.decode())
+    assert any("/static/drf_spectacular_sidecar/swagger-ui-dist/" in u for u in sources)
+    assert not [u for u in sources if "//" in u], sources

@@ -5,9 +5,12 @@ sinks on 127.0.0.2, 127.0.0.3, …; the workers' functions are driven directly
 (tests/support/pipeline.drain) with the movable clock.
 """
 
+import io
 from datetime import timedelta
 
 import pytest
+from django.core.management import call_command
+from django.test import Client
 
 from delivery.deliver import claim_round
 from delivery.sweep import sweep
@@ -23,6 +26,7 @@ from queues.models import (
     RecipientState,
 )
 from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain
 
 pytestmark = pytest.mark.django_db
@@ -397,3 +401,23 @@ def test_nul_in_subject_and_odd_helo_are_stored_not_refused_forever():
     stored = Message.objects.get(pk=message.pk)
     assert "\x00" not in stored.subject
     assert stored.client_helo == "bad?helo?"
+
+
+def test_a_routing_failure_shows_its_enhanced_code_once_everywhere(relay):
+    """The attempt of a routing failure has no reply code (no peer answered) and
+    its enhanced code in its own field, never again in its text."""
+    message = accept("u@nomail.example")
+    drain()
+    attempt = Attempt.objects.get(message=message)
+    assert (attempt.code, attempt.enhanced) == (None, "5.1.2")
+    assert attempt.text == "domain nomail.example does not exist (DNS answered NXDOMAIN)"
+    viewer = Client()
+    viewer.force_login(make_user("viewer", "vera"))
+    html = viewer.get(f"/messages/{message.pk}/").content.decode()
+    api = viewer.get(f"/api/v1/messages/{message.pk}/").json()
+    out = io.StringIO()
+    call_command("message", "show", str(message.pk), stdout=out)
+    assert [a["text"] for a in api["attempts"]] == [attempt.text]
+    for shown in (html, out.getvalue()):
+        assert "5.1.2 domain nomail.example does not exist" in shown
+        assert shown.count("5.1.2") == shown.count("5.1.2 domain nomail.example does not exist")

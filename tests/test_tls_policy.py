@@ -228,6 +228,20 @@ def test_engine_records_tls_per_attempt_and_link(relay, sink_factory, ca, tmp_pa
         detail = client.get(f"/messages/{message.pk}/").content.decode()
         assert f"{attempt.tls_version} · verified (ca)" in detail and "policy verify" in detail
         assert f"TLS: {link.last_tls}" in client.get("/queues/").content.decode()
+        # and the REST API says the same of each attempt
+        api = client.get(f"/api/v1/messages/{message.pk}/").json()["attempts"]
+        assert [
+            {k: a[k] for k in ("tls_version", "tls_cipher", "tls_verified", "tls_policy")}
+            for a in api
+        ] == [
+            {
+                "tls_version": attempt.tls_version,
+                "tls_cipher": attempt.tls_cipher,
+                "tls_verified": "ca",
+                "tls_policy": "verify",
+            }
+        ]
+        assert api[0]["auth_used"] == ""
     else:
         assert (attempt.outcome, attempt.enhanced) == ("deferred", "4.7.5")
         assert Recipient.objects.get().state == "deferred"

@@ -109,7 +109,8 @@ def test_rows_outlive_the_purged_message_and_stay_searchable(relay, sink_factory
     out = io.StringIO()
     call_command("track", "--recipient", "BOB@example.net", "--since", "2d", stdout=out)
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2 and "delivered" in lines[0] and "remote_id=7Abc" in lines[0]
+    assert len(lines) == 3 and "delivered" in lines[0] and "remote_id=7Abc" in lines[0]
+    assert " routed " in lines[1] and " received " in lines[2]
     out = io.StringIO()
     call_command("track", "--message-id", "m1@example.org", "--json", stdout=out)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
@@ -289,3 +290,25 @@ def test_day_partitions_are_made_ahead_and_dropped_after_retention():
     assert report.pruned == 1
     assert not TrackingEvent.objects.filter(qid="OLD").exists()
     assert TrackingEvent.objects.filter(qid="AHEAD").exists()
+
+
+def test_a_search_by_recipient_finds_the_received_event_of_its_message(relay, sink_factory):
+    sink_factory("127.0.0.2")
+    message = accept("bob@example.net", "carol@example.net")
+    other = accept("dave@example.net")
+    drain()
+    operator = Client()
+    operator.force_login(make_user("operator", "olga"))
+    rows = operator.get("/api/v1/tracking/", {"recipient": "Bob@Example.net"}).json()["results"]
+    assert [(r["qid"], r["event"], r["recipient"]) for r in reversed(rows)] == [
+        (message.qid, "received", ""),
+        (message.qid, "routed", "bob@example.net"),
+        (message.qid, "delivered", "bob@example.net"),
+    ]
+    received = operator.get(
+        "/api/v1/tracking/", {"recipient": "dave@example.net", "event": "received"}
+    ).json()["results"]
+    assert [r["qid"] for r in received] == [other.qid]
+    out = io.StringIO()
+    call_command("track", "--recipient", "carol@example.net", stdout=out)
+    assert "received" in out.getvalue()

@@ -245,3 +245,48 @@ def test_ticked_remove_asks_first_and_a_dead_letter_queue_shows_its_messages(pag
     expect(page.locator("#queue-depth")).to_have_text("1")
     expect(page.locator("#queue-messages")).to_contain_text(gone.qid)
     expect(page.locator('#queue-offers [data-offer="resubmit"]')).to_have_count(1)
+
+
+def test_the_relays_own_pages_back_pressure_alerts_and_dkim_keys(page, settings):
+    """Reached from the navigation: back pressure and alerts for every role, DKIM
+    keys for admins (generate one, read its record, disable it)."""
+    from insight.tasks import refresh
+    from tests.test_system_pages import save
+
+    settings.MAILRELAY_DKIM_KEYS_DIR = ""
+    settings.MAILRELAY_ALERT_OLDEST_AGE = timedelta(hours=1)
+    save("mx1:100", submission_queue=5)
+    queue = Queue.objects.create(
+        name="slow.example", delivery_type="dns_mx", created_at=clock.now()
+    )
+    Queue.objects.filter(pk=queue.pk).update(oldest_received_at=clock.now() - timedelta(hours=2))
+    refresh()
+    make_user("ada", "admin")
+    login(page, "ada")
+    nav = page.locator("header nav")
+    nav.get_by_role("link", name="Back pressure").click()
+    row = page.locator('[data-node="mx1:100"] tr[data-resource="submission_queue"]')
+    expect(row).to_have_attribute("data-level", "medium")
+    expect(row.locator("[data-reading]")).to_have_text("5")
+    expect(row.locator("[data-action]")).to_have_text("tarpit 15 s")
+    shot(page, "backpressure")
+    nav.get_by_role("link", name=re.compile(r"^Alerts")).click()
+    expect(page.locator(f'tr[data-alert="age:queue:{queue.pk}"]')).to_contain_text("slow.example")
+    shot(page, "alerts")
+    nav.get_by_role("link", name="DKIM keys").click()
+    expect(page.locator("#dkim-keys")).to_contain_text("No DKIM keys")
+    page.get_by_label("Domain").fill("example.org")
+    page.get_by_label("Selector").fill("s1")
+    page.get_by_label("Algorithm").select_option("ed25519")
+    page.get_by_role("button", name="Generate").click()
+    expect(page.locator("#generated [data-zone-line]")).to_contain_text(
+        's1._domainkey.example.org. IN TXT "v=DKIM1; k=ed25519; p='
+    )
+    key = page.locator('tr[data-key="s1._domainkey.example.org"]')
+    expect(key).to_have_attribute("data-state", "signing")
+    shot(page, "dkim")
+    key.get_by_role("button", name="Disable").click()
+    expect(page.locator('tr[data-key="s1._domainkey.example.org"]')).to_have_attribute(
+        "data-state", "disabled"
+    )
+    expect(page.get_by_role("status")).to_contain_text("s1._domainkey.example.org disabled.")

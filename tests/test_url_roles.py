@@ -29,7 +29,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 USERS = ("anonymous", "no role", "viewer", "operator", "admin")
 # The least user each role lets in (index into USERS); "nobody": refused for all.
 LEAST = {"anyone": 0, "metrics": 0, "logged in": 1, "viewer": 2, "operator": 3, "admin": 4}
-ROW = re.compile(r"^\| `(?P<url>/[^`]*)` \| (?P<method>GET|POST) \| (?P<role>[a-z ()-]+) \|$")
+ROW = re.compile(
+    r"^\| `(?P<url>/[^`]*)` \| (?P<method>GET|POST|PUT|PATCH|DELETE) \| (?P<role>[a-z ()-]+) \|$"
+)
 
 
 @dataclass(frozen=True)
@@ -185,3 +187,43 @@ def test_every_row_of_the_table_is_a_url_of_the_url_conf():
     SAMPLES.setdefault("pk", "1")
     for row in readme_table():
         assert any(row.regex.match(url) for url in urls), f"{row.template} matches no URL"
+
+
+def _endpoints(resolver: URLResolver, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """(url, view callback) of every endpoint, as _patterns samples them."""
+    for entry in resolver.url_patterns:
+        pattern = entry.pattern
+        regex = isinstance(pattern, RegexPattern)
+        text = pattern.regex.pattern.lstrip("^") if regex else str(pattern)
+        if isinstance(entry, URLResolver):
+            yield from _endpoints(entry, prefix + _sample(text, regex))
+        elif isinstance(entry, URLPattern):
+            yield "/" + prefix + _sample(text, regex), entry.callback
+
+
+def _api_methods(callback) -> set[str]:
+    """The methods a REST framework view takes (a viewset: those its route maps)."""
+    actions = getattr(callback, "actions", None)
+    cls = getattr(callback, "cls", None)
+    if actions:
+        methods = set(actions)
+    elif cls is not None:
+        methods = {m for m in cls.http_method_names if hasattr(cls, m)}
+    else:
+        return set()
+    return {m.upper() for m in methods - {"options", "head"}}
+
+
+def test_every_method_of_every_api_url_has_a_row():
+    """A URL that takes POST, PATCH or DELETE has a row for each, with its role."""
+    SAMPLES.setdefault("pk", "1")
+    rows = readme_table()
+    missing = []
+    for url, callback in _endpoints(get_resolver()):
+        if not url.startswith("/api/") or ".json" in url:
+            continue
+        for method in sorted(_api_methods(callback)):
+            path = url if url.endswith("/") else url + "/"
+            if not any(r.method == method and r.regex.match(path) for r in rows):
+                missing.append(f"{method} {url}")
+    assert not missing, "README's URLs and roles table lacks:\n" + "\n".join(missing)

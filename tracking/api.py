@@ -6,6 +6,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
@@ -143,10 +144,21 @@ class DeliverySerializer(serializers.ModelSerializer):
         ]
 
 
+class EndpointPages(CursorPagination):
+    """The API's list shape (docs/api.md "Lists and pagination"): keyset pages
+    ``{"next", "previous", "results"}`` by name, ``limit`` 100 (at most 1000)."""
+
+    ordering = "name"  # unique
+    page_size = 100
+    page_size_query_param = "limit"
+    max_page_size = 1000
+
+
 class WebhookEndpointViewSet(viewsets.ModelViewSet):
     """Webhook endpoints (admin): URL, the events wanted, the secret."""
 
     permission_classes = [IsAdmin]
+    pagination_class = EndpointPages
     serializer_class = EndpointSerializer
     queryset = WebhookEndpoint.objects.all()
 

@@ -20,7 +20,7 @@ from django.utils.dateparse import parse_datetime
 
 from queues import clock
 from queues.units import parse_duration
-from tracking.events import TRACKING_EVENTS
+from tracking.events import RECEIVED, TRACKING_EVENTS
 from tracking.models import TrackingEvent
 
 DEFAULT_LIMIT = 50
@@ -116,8 +116,17 @@ def queryset(query: TrackingQuery) -> QuerySet[TrackingEvent]:
             ~Q(sender=""), sender_lower=query.sender.lower()
         )
     if query.recipient:
+        # A message's ``received`` row is message-wide (no recipient): it is
+        # found through the queue ids of the recipient's own rows (both sides
+        # by an index: tracking_event_rcpt_nz, tracking_event_qid).
+        own = (
+            TrackingEvent.objects.alias(rcpt_lower=Lower("recipient"))
+            .filter(~Q(recipient=""), ~Q(qid=""), rcpt_lower=query.recipient.lower())
+            .values("qid")
+        )
         qs = qs.alias(rcpt_lower=Lower("recipient")).filter(
-            ~Q(recipient=""), rcpt_lower=query.recipient.lower()
+            (~Q(recipient="") & Q(rcpt_lower=query.recipient.lower()))
+            | Q(event=RECEIVED, qid__in=own)
         )
     if query.message_id:
         bare = query.message_id.strip("<>")

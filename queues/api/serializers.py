@@ -179,6 +179,12 @@ class AttemptSerializer(serializers.ModelSerializer):
             "enhanced",
             "text",
             "outcome",
+            # What the message page shows of the session (docs/api.md).
+            "tls_version",
+            "tls_cipher",
+            "tls_verified",
+            "tls_policy",
+            "auth_used",
         ]
 
 

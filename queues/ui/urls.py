@@ -4,7 +4,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from queues.login import ThrottledLoginView
-from queues.ui import accounts, views
+from queues.ui import accounts, system, views
 
 app_name = "ui"
 
@@ -33,5 +33,9 @@ urlpatterns = [
         accounts.account_delete,
         name="smtp_account_delete",
     ),
+    path("backpressure/", system.backpressure_page, name="backpressure"),
+    path("alerts/", system.alerts_page, name="alerts"),
+    path("dkim/", system.dkim_page, name="dkim"),
+    path("dkim/<str:domain>/<str:selector>/<str:action>/", system.dkim_action, name="dkim_action"),
     path("live.json", views.live, name="live"),
 ]

@@ -26,6 +26,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
+from mailrelay.hostname import hostname_warning
 from mailrelay.secret_key import ensure_key_file
 
 
@@ -87,6 +88,9 @@ class Command(BaseCommand):
             else settings.CELERY_BROKER_URL.split(":")[0]
         )
         self.stdout.write(f"database: {db}; broker: {broker}")
+        warning = hostname_warning(settings.MAILRELAY_HOSTNAME)
+        if warning:  # once here: the smtp child is told not to repeat it
+            self.stderr.write(self.style.WARNING(warning))
         for addr in settings.MAILRELAY_SMTP_LISTEN:
             self.stdout.write(f"smtp:  listening on {addr}")
         web = f"http://{settings.MAILRELAY_WEB_LISTEN}"
@@ -101,7 +105,7 @@ class Command(BaseCommand):
         celery = str(bindir / "celery")
         beat_schedule = str(Path(settings.DATA_DIR) / "celerybeat-schedule")
         return {
-            "smtp": [py, "manage.py", "runsmtp"],
+            "smtp": [py, "manage.py", "runsmtp", "--no-hostname-warning"],
             "web": [
                 str(bindir / "gunicorn"),
                 "mailrelay.wsgi",

@@ -43,6 +43,7 @@ from delivery.inbound.server import (
     raise_file_limit,
 )
 from delivery.pickup.watcher import always_allowed, start_pickup
+from mailrelay.hostname import hostname_warning
 
 RESTART_DELAY = 1.0  # seconds before a dead child is started again; doubles while it keeps dying
 RESTART_DELAY_MAX = 30.0
@@ -123,6 +124,9 @@ class Command(BaseCommand):
         parser.add_argument("--supervisor", type=int, default=None, help="(internal) its pid")
         parser.add_argument("--submission-listen", default=None, help="(internal)")
         parser.add_argument("--submissions-listen", default=None, help="(internal)")
+        parser.add_argument(
+            "--no-hostname-warning", action="store_true", help="(internal) runall warned already"
+        )
 
     def handle(
         self,
@@ -137,6 +141,9 @@ class Command(BaseCommand):
         submissions_listen: str | None = None,
         **options,
     ) -> None:
+        warning = hostname_warning(settings.MAILRELAY_HOSTNAME)
+        if warning and child is None and not options.get("no_hostname_warning"):
+            self.stderr.write(warning)  # once: the children of this process do not repeat it
         items = listen.split(",") if listen else settings.MAILRELAY_SMTP_LISTEN
         try:
             addresses = [parse_listen(item) for item in items if item.strip()]
