@@ -417,8 +417,8 @@ def test_each_outcome_is_committed_before_its_connection_sends_the_next_mail_fro
 @pytest.mark.django_db(transaction=True)
 def test_a_round_records_finished_messages_while_it_goes_on(relay, sink_factory, settings):
     """Deliveries are recorded while the round still sends (each before its
-    connection's next transaction), so a worker killed in the middle of a round re-sends only what it had not
-    recorded yet, not the whole round."""
+    connection's next transaction), so a worker killed in the middle of a round
+    re-sends only what it had not recorded yet, not the whole round."""
     from django.db import connection
 
     relay.a("example.net", "127.0.0.2")
