@@ -8,27 +8,27 @@ class DeliveryConfig(AppConfig):
     def ready(self) -> None:
         # Workers run no system checks: a bad transport map must stop start-up
         # here, not turn every message into a categorizer crash.
-        from delivery.routing import validate_routing_settings
+        from delivery.route.routing import validate_routing_settings
 
         validate_routing_settings()
 
-        from delivery.retry import validate_retry_settings
+        from delivery.smtp.retry import validate_retry_settings
 
         validate_retry_settings()
 
         from queues.signals import categorizer_work, link_work
 
-        categorizer_work.connect(_ring_categorizer, dispatch_uid="delivery.bell.categorizer")
-        link_work.connect(_ring_link, dispatch_uid="delivery.bell.link")
+        categorizer_work.connect(_ring_categorizer, dispatch_uid="delivery.qmgr.bell.categorizer")
+        link_work.connect(_ring_link, dispatch_uid="delivery.qmgr.bell.link")
 
 
 def _ring_categorizer(sender: object, **kwargs: object) -> None:
-    from delivery import bell
+    from delivery.qmgr import bell
 
     bell.ring_categorizer()
 
 
 def _ring_link(sender: object, link_id: int, **kwargs: object) -> None:
-    from delivery import bell
+    from delivery.qmgr import bell
 
     bell.ring_link(link_id)

@@ -7,9 +7,9 @@
   suspended it and until when, the link's counter and next retry, the host
   whose retry data skips it and the rule that matched, ...);
 * the retry rule that applies — its line as written in the operator's file,
-  or the rule compiled from the Exchange settings (``delivery.retry``);
+  or the rule compiled from the Exchange settings (``delivery.smtp.retry``);
 * the last reply, and the projected schedule: the next tries, *computed by
-  the rule engine* (``delivery.retryrules.projected_schedule``), when the
+  the rule engine* (``delivery.smtp.retryrules.projected_schedule``), when the
   delay DSN goes, when the rule's final cutoff passes, when it expires;
 * what an operator can do about it (retry now, resubmit, resume).
 
@@ -27,8 +27,8 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q
 
-from delivery import retry
-from delivery.retryrules import Rule, parse_rules, projected_schedule
+from delivery.smtp import retry
+from delivery.smtp.retryrules import Rule, parse_rules, projected_schedule
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     Attempt,
@@ -154,7 +154,7 @@ def rule_info(rule: Rule | None) -> dict[str, Any] | None:
 
 
 def find_rule(address: str, *, error: str = "", host: str | None = None, sender: str | None = None):
-    """The rule ``delivery.retry.decide`` applies to this failure (same search)."""
+    """The rule ``delivery.smtp.retry.decide`` applies to this failure (same search)."""
     active = retry.rules()
     found = active.find(address, host=host, error=error or None, sender=sender)
     if found is None and error:

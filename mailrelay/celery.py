@@ -9,7 +9,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mailrelay.settings")
 
 app = Celery("mailrelay")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks()
+app.autodiscover_tasks()  # tracking.tasks, insight.tasks
+# The engine's one Celery module is its queue manager's (delivery/qmgr/tasks.py);
+# the task names stay "delivery.tasks.*" (routes, beat and queued tasks use them).
+app.autodiscover_tasks(["delivery.qmgr"])
 
 
 @task_prerun.connect

@@ -36,7 +36,7 @@ disable_created_metrics()
 SOURCES = ("smtp", "pickup", "replay")
 REPLY_CLASSES = ("2xx", "3xx", "4xx", "5xx", "none")
 FAILURE_REASONS = ("permanent", "retry_timeout", "expired")
-DSN_KINDS = ("failure", "delay", "success")  # queues.dsn.KINDS
+DSN_KINDS = ("failure", "delay", "success")  # queues.bounce.dsn.KINDS
 PICKUP_OUTCOMES = ("submitted", "bad")
 
 MESSAGES_ACCEPTED = Counter(
@@ -174,7 +174,7 @@ def count_expired(recipients: int) -> None:
 
 
 def count_dsn(kind: str) -> None:
-    """One DSN of ``kind`` (queues.dsn.FAILURE / DELAY / SUCCESS) queued."""
+    """One DSN of ``kind`` (queues.bounce.dsn.FAILURE / DELAY / SUCCESS) queued."""
     transaction.on_commit(lambda: DSNS_SENT.labels(kind=kind).inc())
 
 

@@ -74,7 +74,7 @@ class Queue(models.Model):
         Link, null=True, blank=True, on_delete=models.SET_NULL, related_name="queues"
     )
     suspended = models.BooleanField(default=False)
-    # A timed suspension resumes by itself at suspended_until (delivery.sweep);
+    # A timed suspension resumes by itself at suspended_until (delivery.qmgr.sweep);
     # None = until resumed by hand. suspended_by: the operator who suspended it.
     suspended_until = models.DateTimeField(null=True, blank=True)
     suspended_by = models.CharField(max_length=150, blank=True)
@@ -134,7 +134,7 @@ class Message(models.Model):
     expires_at = models.DateTimeField()
     next_attempt_at = models.DateTimeField()  # when the categorizer may take it
     suspended = models.BooleanField(default=False)
-    # Resumes by itself then (delivery.sweep); None = until resumed by hand.
+    # Resumes by itself then (delivery.qmgr.sweep); None = until resumed by hand.
     suspended_until = models.DateTimeField(null=True, blank=True)
     suspended_by = models.CharField(max_length=150, blank=True)
     per_message_failures = models.PositiveIntegerField(default=0)
@@ -184,7 +184,7 @@ class Message(models.Model):
             ),
             # purge of completed messages
             models.Index(fields=["completed_at"], name="message_done", condition=Q(state="done")),
-            # sweep: messages past their expiry that are not finished (delivery.sweep._expire)
+            # sweep: messages past their expiry that are not finished (delivery.qmgr.sweep._expire)
             models.Index(
                 fields=["expires_at"], name="message_live_expiry", condition=~Q(state="done")
             ),

@@ -8,7 +8,7 @@ ownership are written in one place:
 - **A claim has an owner and a lease.** Whoever claims rows (a categorizer
   batch, a delivery round, a link's delivery task) writes its owner token and
   a lease end. A live owner renews the lease while it works
-  (``delivery.ownership.LeaseKeeper``), however long the work takes; a dead
+  (``delivery.qmgr.ownership.LeaseKeeper``), however long the work takes; a dead
   owner stops renewing, and the sweep takes the rows back once the lease has
   run out (``reclaim_expired``), within one lease and one reclaim interval.
 - **An owner that lost its claim writes nothing.** Results are written only to
@@ -559,7 +559,7 @@ class LinkQuerySet(models.QuerySet):
 
 
 class RetryHintQuerySet(models.QuerySet):
-    """Exim's retry data, stored (the rules and the arithmetic live in delivery.retry)."""
+    """Exim's retry data, stored (the rules and the arithmetic live in delivery.smtp.retry)."""
 
     FIELDS = ("first_failed", "last_tried", "next_try", "expired", "error", "text")
 

@@ -39,7 +39,7 @@ def bells(request, monkeypatch):
     if request.node.get_closest_marker("system"):
         yield None
         return
-    from delivery import bell
+    from delivery.qmgr import bell
 
     recorder = BellRecorder()
     monkeypatch.setattr(bell, "ring_categorizer", recorder.ring_categorizer)

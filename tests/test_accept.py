@@ -1,8 +1,8 @@
 import pytest
 
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept, new_qid
 from queues.headers import inspect_headers
 from queues.models import Message, MessageState, Recipient, RecipientState
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept, new_qid
 
 RAW = (
     b"From: a@example.org\r\nTo: b@example.net\r\n"

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.categorize import categorize_pending
+from delivery.qmgr.categorize import categorize_pending
 from queues import clock
 from queues.models import (
     AuditEntry,
@@ -50,11 +50,11 @@ def operator():
 
 @pytest.fixture
 def fake_notify(monkeypatch):
-    """Stands in for queues.services.notify (the lead's DSN module) and records calls."""
+    """Stands in for queues.bounce.notify (the lead's DSN module) and records calls."""
     calls = []
-    module = types.ModuleType("queues.services.notify")
+    module = types.ModuleType("queues.bounce.notify")
     module.ndr_for = lambda message_id, recipient_ids: calls.append((message_id, recipient_ids))
-    monkeypatch.setitem(sys.modules, "queues.services.notify", module)
+    monkeypatch.setitem(sys.modules, "queues.bounce.notify", module)
     return calls
 
 

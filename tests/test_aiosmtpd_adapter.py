@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from aiosmtpd.smtp import SMTP, Envelope
 
-from delivery.inbound.aiosmtpd_adapter import (
+from delivery.smtpd.aiosmtpd_adapter import (
     RELIED_ON,
     SUPPORTED_VERSIONS,
     AiosmtpdSession,

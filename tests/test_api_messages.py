@@ -428,8 +428,8 @@ def test_export_in_replay_format_feeds_the_replay_folder():
     such a file in the replay folder and sees it delivered)."""
     from rest_framework.test import APIClient
 
+    from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
     from queues.replay import replay_format
-    from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
     from tests.support.operator_factories import make_user
 
     original = message_accept(

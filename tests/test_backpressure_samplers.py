@@ -27,8 +27,8 @@ from delivery.backpressure.samplers import (
     fixed_path,
     is_local_host,
 )
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Message, MessageState
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
 
 def test_disk_used_percent_counts_only_space_we_may_still_write(tmp_path):

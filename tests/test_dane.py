@@ -12,9 +12,9 @@ import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from delivery.smtp_client import deliver
-from delivery.tls_policy import plan
-from delivery.types import BatchResult, NextHop
+from delivery.smtp.client import deliver
+from delivery.smtp.tls import plan
+from delivery.smtp.types import BatchResult, NextHop
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate
 

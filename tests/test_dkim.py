@@ -18,9 +18,9 @@ import pytest
 from django.core.management import call_command
 
 from queues import dkim
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Event, Message
 from queues.services import actions
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.dns import DNSTestServer
 from tests.support.pipeline import drain
 

@@ -19,11 +19,12 @@ import dkim as dkimpy
 import pytest
 
 from delivery.pickup import FolderConfig, FolderWatcher
-from queues import dkim, dsn
+from queues import dkim
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.bounce import dsn
+from queues.bounce.notify import notify
 from queues.models import Message
 from queues.services import accounts
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
-from queues.services.notify import notify
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from delivery.inbound import policy
 from delivery.pickup.parse import BadFile, PickupLimits, parse_pickup, parse_replay
+from delivery.smtpd import policy
+from queues.accept import recipient_domain
 from queues.domains import DomainError, domain_key, domain_keys, envelope_domain
 from queues.models import DeliveryType, Message, RecipientState
-from queues.services.accept import recipient_domain
 from tests.support.pipeline import drain
 
 ROOT = Path(__file__).resolve().parent.parent

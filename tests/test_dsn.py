@@ -1,4 +1,4 @@
-"""The DSN builder (queues/dsn.py): every report is parsed back with the
+"""The DSN builder (queues/bounce/dsn.py): every report is parsed back with the
 standard ``email`` package and checked field by field. Pure: no database."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from email.message import EmailMessage
 
 import pytest
 
-from queues.dsn import (
+from queues.bounce.dsn import (
     DELAY,
     FAILURE,
     SUCCESS,
@@ -424,7 +424,7 @@ def test_a_message_above_max_dsn_size_returns_only_headers_even_with_ret_full():
     assert f"larger than {len(DATA) - 1} bytes" in text
 
 
-# An original read without its body (queues.services.notify) ------------------------------
+# An original read without its body (queues.bounce.notify) ------------------------------
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 Large messages are stored directly with the ORM; the paths under test run
 against real PostgreSQL, and tracemalloc measures what Python holds at the
-peak. A report reads its original with SUBSTRING (``queues.services.notify``),
+peak. A report reads its original with SUBSTRING (``queues.bounce.notify``),
 so the SQL it sends is checked too: a headers-only report never selects the
 whole ``data`` column.
 """
@@ -27,10 +27,11 @@ from django.db import connection
 from django.db.models import Subquery
 from django.test.utils import CaptureQueriesContext
 
-from delivery.sweep import sweep
-from queues import bodies, clock, dsn
+from delivery.qmgr.sweep import sweep
+from queues import bodies, clock
+from queues.bounce import dsn, notify
 from queues.models import Message, MessageSource, MessageState, Recipient, RecipientState
-from queues.services import actions, notify
+from queues.services import actions
 from queues.services.actions import Via
 from tests.support.browser import make_user
 

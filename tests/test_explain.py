@@ -10,9 +10,9 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 
-from delivery import retry
 from delivery.models import ResourcePressure
-from delivery.retryrules import projected_schedule
+from delivery.smtp import retry
+from delivery.smtp.retryrules import projected_schedule
 from insight.explain import explain_message
 from queues import clock
 from queues.models import (
@@ -232,7 +232,7 @@ def test_the_message_page_links_to_its_tracking_search(client):
     import html
     import re
 
-    from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+    from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
     client.force_login(make_user("viewer"))
     env = IncomingEnvelope(

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 from django.db import OperationalError, connection
 
-from delivery.inbound import server
-from delivery.inbound.groupcommit import GroupCommitter
+from delivery.smtpd import server
+from delivery.smtpd.groupcommit import GroupCommitter
+from queues import accept
+from queues.accept import IncomingEnvelope, IncomingRecipient, messages_accept
 from queues.models import Message, Recipient
-from queues.services import accept
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, messages_accept
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from queues import dsn
+from queues.bounce import dsn
 from queues.headers import header_block, header_end, inspect_headers
 
 

@@ -14,10 +14,10 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from delivery import deliver
-from delivery.categorize import categorize_pending
+from delivery.qmgr.categorize import categorize_pending
+from delivery.smtp import deliver
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Link, Message, MessageState, Recipient, RecipientState
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
 pytestmark = pytest.mark.django_db
 

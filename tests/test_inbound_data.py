@@ -8,10 +8,10 @@ import threading
 import pytest
 from django.db import connection
 
-from delivery import bell
-from delivery.inbound import server
+from delivery.qmgr import bell
+from delivery.smtpd import server
+from queues.accept import prepared_accept
 from queues.models import Message
-from queues.services.accept import prepared_accept
 from tests.support.ingress import SMTPRefused
 
 pytestmark = pytest.mark.django_db(transaction=True)

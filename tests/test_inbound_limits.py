@@ -19,16 +19,15 @@ import time
 import pytest
 from django.db import OperationalError, connection
 
-from delivery.inbound import server
-from queues import bulk
-from queues.models import Message
-from queues.services import accept
-from queues.services.accept import (
+from delivery.smtpd import server
+from queues import accept, bulk
+from queues.accept import (
     IncomingEnvelope,
     IncomingRecipient,
     message_accept,
     prepared_accept,
 )
+from queues.models import Message
 from tests.support import processes
 from tests.support.ingress import Ingress, RawClient
 

@@ -6,8 +6,8 @@ import ipaddress
 
 import pytest
 
-from delivery.inbound import policy, replies
-from delivery.inbound.policy import Mailbox, Refused
+from delivery.smtpd import policy, replies
+from delivery.smtpd.policy import Mailbox, Refused
 
 ACCEPTED = frozenset({"relay.test"})
 NETWORKS = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("2001:db8::/32"))

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from delivery.inbound.doorbell import CoalescedBell
-from delivery.inbound.server import format_address, parse_listen
+from delivery.smtpd.doorbell import CoalescedBell
+from delivery.smtpd.server import format_address, parse_listen
 from queues.models import Message
 from tests.support import processes
 

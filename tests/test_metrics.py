@@ -21,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from delivery.metrics import StoreCollector
 from delivery.models import ResourcePressure
 from delivery.pickup import FolderConfig, FolderWatcher, Outcome
-from delivery.sweep import sweep
+from delivery.qmgr.sweep import sweep
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import DeliveryType, Message, Queue
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.pipeline import drain
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import trustme
 
-from delivery import https_fetch, mta_sts
-from delivery.dns import make_resolver
-from delivery.smtp_client import deliver
-from delivery.tls_policy import plan
-from delivery.types import BatchResult, NextHop
+from delivery.route.dns import make_resolver
+from delivery.smtp import https_fetch, mta_sts
+from delivery.smtp.client import deliver
+from delivery.smtp.tls import plan
+from delivery.smtp.types import BatchResult, NextHop
 from queues import clock
 from queues.models import MtaStsPolicy
 from queues.units import seconds
@@ -211,8 +211,8 @@ def test_no_record_or_a_failed_fetch_means_no_policy(sts, dns_settings, sink_fac
 
 @pytest.mark.django_db
 def test_testing_mode_failures_become_events_before_the_round(sts, dns_settings, smtp_port):
-    from delivery.deliver import _with_tls
-    from delivery.routing import DNS_MX
+    from delivery.route.routing import DNS_MX
+    from delivery.smtp.deliver import _with_tls
     from queues.models import Event, Link
     from tests.test_smtp_client import config as client_config
 
@@ -237,7 +237,7 @@ def test_testing_mode_failures_become_events_before_the_round(sts, dns_settings,
 def test_testing_mode_checks_tls_after_the_fact(
     sts, dns_settings, sink_factory, ca, tmp_path, smtp_port, trusted
 ):
-    from delivery.deliver import _report_tls
+    from delivery.smtp.deliver import _report_tls
     from queues.models import Event
 
     issuer = ca if trusted else trustme.CA()
@@ -396,11 +396,11 @@ def test_a_slow_policy_fetch_does_not_outlive_the_round_claim(
     default fetch timeout); the lease is 0.6 s. The owner renews while it waits
     for the fetch, so the sweep takes nothing back, a second delivery task finds
     the link held, and the message goes once."""
-    from delivery.categorize import categorize_pending
-    from delivery.deliver import deliver_link
-    from delivery.sweep import reclaim
+    from delivery.qmgr.categorize import categorize_pending
+    from delivery.qmgr.sweep import reclaim
+    from delivery.smtp.deliver import deliver_link
+    from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
     from queues.models import Attempt, Link, Recipient, RecipientState
-    from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
     assert seconds(settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT) >= 3
     settings.MAILRELAY_DELIVERY_LEASE = timedelta(seconds=0.6)

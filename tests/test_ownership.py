@@ -13,12 +13,13 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.categorize import _process, categorize_pending
-from delivery.categorize import claim_batch as claim_for_categorizer
-from delivery.deliver import deliver_link
-from delivery.ownership import Claim, while_renewing
-from delivery.sweep import reclaim, sweep
+from delivery.qmgr.categorize import _process, categorize_pending
+from delivery.qmgr.categorize import claim_batch as claim_for_categorizer
+from delivery.qmgr.ownership import Claim, while_renewing
+from delivery.qmgr.sweep import reclaim, sweep
+from delivery.smtp.deliver import deliver_link
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import (
     Attempt,
     DeliveryType,
@@ -28,7 +29,6 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.pipeline import drain
 
 BODY = b"From: a@example.org\r\nTo: x\r\nSubject: t\r\n\r\nbody\r\n"
@@ -310,7 +310,7 @@ def test_while_renewing_renews_the_claim_while_the_work_runs_and_hands_back_its_
 
 @pytest.mark.django_db
 def test_the_reclaim_takes_back_a_dead_round_and_rings_its_link(relay, sink_factory, settings):
-    from delivery.deliver import claim_round
+    from delivery.smtp.deliver import claim_round
 
     relay.a("example.net", "127.0.0.2")
     sink = sink_factory("127.0.0.2")

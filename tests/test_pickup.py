@@ -30,6 +30,7 @@ from delivery.pickup import (
 )
 from delivery.pickup.parse import normalize_line_endings
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     Event,
@@ -39,7 +40,6 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.services.actions import Via, message_suspend
 from tests.support.environment import settings_from_environment
 from tests.support.pipeline import drain

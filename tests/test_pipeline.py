@@ -12,9 +12,10 @@ import pytest
 from django.core.management import call_command
 from django.test import Client
 
-from delivery.deliver import claim_round
-from delivery.sweep import sweep
+from delivery.qmgr.sweep import sweep
+from delivery.smtp.deliver import claim_round
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import (
     Attempt,
     DeliveryType,
@@ -25,7 +26,6 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain
 
@@ -254,7 +254,7 @@ def test_the_sweep_takes_back_recipients_of_a_dead_delivery(relay, sink_factory,
 
 
 def drain_categorize_only() -> int:
-    from delivery.categorize import categorize_pending
+    from delivery.qmgr.categorize import categorize_pending
 
     return categorize_pending()
 
@@ -263,7 +263,7 @@ def test_it_parks_a_message_that_keeps_crashing_the_categorizer(relay, settings)
     settings.MAILRELAY_POISON_THRESHOLD = 2
     relay.a("example.net", "127.0.0.2")
     message = accept("u@example.net")
-    from delivery.categorize import claim_batch as claim_for_categorizer
+    from delivery.qmgr.categorize import claim_batch as claim_for_categorizer
 
     for _ in range(2):  # the worker dies twice while categorizing it
         assert claim_for_categorizer("dying-worker", 10) == [message.pk]
@@ -280,7 +280,7 @@ def test_a_message_that_makes_the_categorizer_raise_ends_in_poison_alone(
     relay, sink_factory, settings, monkeypatch
 ):
     """A crash is isolated to its message; the batch-mates are routed and delivered."""
-    from delivery.routing import Router
+    from delivery.route.routing import Router
 
     settings.MAILRELAY_POISON_THRESHOLD = 2
     relay.a("example.net", "127.0.0.2")
@@ -309,8 +309,8 @@ def test_a_message_that_makes_the_categorizer_raise_ends_in_poison_alone(
 def test_a_round_that_outlived_its_lease_does_not_overwrite_newer_results(
     relay, sink_factory, settings
 ):
-    from delivery.deliver import _record
-    from delivery.types import BatchResult, RecipientResult
+    from delivery.smtp.deliver import _record
+    from delivery.smtp.types import BatchResult, RecipientResult
 
     relay.a("example.net", "127.0.0.2")
     sink = sink_factory("127.0.0.2")
@@ -339,8 +339,8 @@ def test_a_round_that_outlived_its_lease_does_not_overwrite_newer_results(
 
 
 def test_a_reply_with_nul_is_recorded_not_crashed_on(relay, sink_factory):
-    from delivery.deliver import _record
-    from delivery.types import BatchResult, RecipientResult
+    from delivery.smtp.deliver import _record
+    from delivery.smtp.types import BatchResult, RecipientResult
 
     relay.a("example.net", "127.0.0.2")
     accept("u@example.net")
@@ -365,7 +365,7 @@ def test_a_reply_with_nul_is_recorded_not_crashed_on(relay, sink_factory):
 def test_a_round_whose_recording_crashes_is_parked_not_looped(
     relay, sink_factory, settings, monkeypatch
 ):
-    from delivery import deliver as deliver_module
+    from delivery.smtp import deliver as deliver_module
 
     settings.MAILRELAY_POISON_THRESHOLD = 1
     relay.a("example.net", "127.0.0.2")

@@ -11,10 +11,10 @@ from collections.abc import Callable
 import pytest
 from django.db import OperationalError
 
-from delivery.inbound import server
+from delivery.smtpd import server
+from queues import accept
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Message, Recipient
-from queues.services import accept
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -14,10 +14,11 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 
-from delivery.categorize import categorize_pending
-from delivery.deliver import deliver_link
-from delivery.sweep import _links_with_due_work
+from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.sweep import _links_with_due_work
+from delivery.smtp.deliver import deliver_link
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.holdings import held_count
 from queues.models import (
     AuditEntry,
@@ -30,7 +31,6 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.services.counts import queues_recount
 from tests.support.operator_factories import api_client, make_message, make_queue, make_user
 

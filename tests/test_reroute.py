@@ -12,9 +12,10 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.deliver import claim_round
-from delivery.sweep import reclaim, sweep
+from delivery.qmgr.sweep import reclaim, sweep
+from delivery.smtp.deliver import claim_round
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import (
     AuditEntry,
     DeliveryType,
@@ -25,7 +26,6 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.services.actions import ActionConflict, ActionInvalid, Via, queue_reroute
 from tests.support.operator_factories import api_client, make_message, make_queue, make_user
 from tests.support.pipeline import drain

@@ -1,7 +1,7 @@
 """The retry decisions over a delivery round, as tables: pure, no database.
 
-delivery.retry decides (link verdicts, host retry data, recipient deferrals,
-which hosts to try); delivery.deliver only reads and writes around it.
+delivery.smtp.retry decides (link verdicts, host retry data, recipient deferrals,
+which hosts to try); delivery.smtp.deliver only reads and writes around it.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from delivery import retry
-from delivery.retryrules import RetryData
-from delivery.types import HostFailure, RecipientResult
+from delivery.smtp import retry
+from delivery.smtp.retryrules import RetryData
+from delivery.smtp.types import HostFailure, RecipientResult
 
 NOW = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 MIN = timedelta(minutes=1)

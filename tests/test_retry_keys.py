@@ -17,12 +17,12 @@ from datetime import timedelta
 import pytest
 from django.db import OperationalError, connection, transaction
 
-from delivery import ownership
-from delivery.retryrules import MAX_KEY_BYTES, address_key, bounded_key
+from delivery.qmgr import ownership
+from delivery.smtp.retryrules import MAX_KEY_BYTES, address_key, bounded_key
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.dberrors import is_outage
 from queues.models import DeliveryType, Message, Recipient, RecipientState, RetryHint
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.pipeline import drain
 
 pytestmark = pytest.mark.django_db(transaction=True)

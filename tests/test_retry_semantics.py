@@ -14,9 +14,10 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 
-from delivery import retry
-from delivery.sweep import sweep
+from delivery.qmgr.sweep import sweep
+from delivery.smtp import retry
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import (
     DeliveryType,
     Event,
@@ -29,7 +30,6 @@ from queues.models import (
     RecipientState,
     RetryHint,
 )
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.pipeline import drain
 
 pytestmark = pytest.mark.django_db

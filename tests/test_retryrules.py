@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import override_settings
 
-from delivery.retryrules import (
+from delivery.smtp.retryrules import (
     DEFAULT_RULES_TEXT,
     RetryData,
     RetryOptions,
@@ -724,7 +724,7 @@ def test_retrytest_uses_the_setting_then_the_default(seed_rules: Path):
         assert "line 6: * refused_A" in run_retrytest("u@x.example", "--error", "refused_A")
     with override_settings(MAILRELAY_RETRY_RULES=""):
         out = run_retrytest("u@x.example", "--error", "refused_A")
-    # Without a file, the rules compiled from Exchange's settings apply (delivery.retry).
+    # Without a file, the rules compiled from Exchange's settings apply (delivery.smtp.retry).
     assert "Rules: Exchange settings" in out
     assert "Retry rule: line 5: *  *  F,3m30s,1m; F,31m30s,5m; F,36500d,10m" in out
     assert "retries 1-4: every 1m, +1m to +4m (F,3m30s,1m)" in out

@@ -17,10 +17,11 @@ from datetime import timedelta
 
 import pytest
 
-from delivery import deliver, tasks
-from delivery.categorize import categorize_pending
+from delivery.qmgr import tasks
+from delivery.qmgr.categorize import categorize_pending
+from delivery.smtp import deliver
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Link, Message, MessageState
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 
 pytestmark = pytest.mark.django_db
 

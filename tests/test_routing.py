@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from delivery.dns import make_resolver, parse_nameserver
-from delivery.routing import (
+from delivery.route.dns import make_resolver, parse_nameserver
+from delivery.route.routing import (
     Router,
     Target,
     link_name,
@@ -20,7 +20,7 @@ from delivery.routing import (
     sort_mx,
     validate_routing_settings,
 )
-from delivery.types import NextHop, RouteError
+from delivery.smtp.types import NextHop, RouteError
 from tests.support.dns import free_udp_port
 
 # --- parsing (pure) -------------------------------------------------------------
@@ -691,7 +691,7 @@ def test_answers_are_cached_for_their_ttl(router, dns_settings):
 
 
 def test_the_transport_map_is_parsed_once_not_per_batch(settings, monkeypatch):
-    from delivery import routing
+    from delivery.route import routing
 
     settings.MAILRELAY_TRANSPORTS = "parsed-once.example=[192.0.2.7]:2525"
     settings.MAILRELAY_SMART_HOST = ""

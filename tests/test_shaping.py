@@ -24,8 +24,8 @@ from delivery.shaping import gate, limiter, policy
 from delivery.shaping.adaptive import describe, is_throttle
 from delivery.shaping.policy import PolicyError, Rate, parse, parse_rate
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Link, Recipient, RecipientState
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support import sinks
 from tests.support.pipeline import drain
 
@@ -492,7 +492,7 @@ def test_an_attackers_mx_does_not_throttle_a_providers_shared_entry(shaping, rel
 
 def test_the_hosts_whose_replies_count_are_those_of_the_entry(shaping):
     from delivery.shaping.adaptive import throttle_reason
-    from delivery.types import BatchResult, HostFailure
+    from delivery.smtp.types import BatchResult, HostFailure
     from queues.models import Queue
     from queues.states import DeliveryType
 

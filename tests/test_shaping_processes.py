@@ -15,7 +15,7 @@ import pytest
 import redis
 from django.db import close_old_connections
 
-from delivery import bell
+from delivery.qmgr import bell
 from delivery.shaping.limiter import keys
 from queues.models import Link, Recipient, RecipientState
 from tests.test_shaping import PeerLog, peer_log  # noqa: F401 - the fixture

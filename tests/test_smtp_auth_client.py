@@ -1,4 +1,4 @@
-"""AUTH to a next hop (delivery.smtp_auth) and implicit TLS on port 465,
+"""AUTH to a next hop (delivery.smtp.auth) and implicit TLS on port 465,
 against real aiosmtpd peers on loopback."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import trustme
 from django.core.exceptions import ImproperlyConfigured
 
-from delivery import smtp_auth
-from delivery.routing import validate_routing_settings
-from delivery.smtp_auth import Credentials
-from delivery.smtp_client import IMPLICIT_TLS_PORT, ClientConfig, deliver
-from delivery.tls_policy import plan, requirement
-from delivery.types import BatchResult, NextHop
+from delivery.route.routing import validate_routing_settings
+from delivery.smtp import auth as smtp_auth
+from delivery.smtp.auth import Credentials
+from delivery.smtp.client import IMPLICIT_TLS_PORT, ClientConfig, deliver
+from delivery.smtp.tls import plan, requirement
+from delivery.smtp.types import BatchResult, NextHop
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate
 

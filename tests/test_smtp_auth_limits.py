@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.contrib.auth.hashers import MD5PasswordHasher
 
-from delivery.inbound.authlimit import ADDRESS, USERNAME, AuthLimiter
+from delivery.smtpd.authlimit import ADDRESS, USERNAME, AuthLimiter
 from queues.models import Event
 from queues.services import accounts
 from tests.support.ingress import Ingress

@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.smtp_client import END_MARK, ClientConfig, deliver, stuffed
-from delivery.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
+from delivery.smtp.client import END_MARK, ClientConfig, deliver, stuffed
+from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
 
 A, B = "127.0.0.2", "127.0.0.3"
 _ids = itertools.count(1)

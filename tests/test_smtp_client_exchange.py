@@ -14,8 +14,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from delivery.smtp_client import deliver
-from delivery.types import BatchResult, OutboundMessage
+from delivery.smtp.client import deliver
+from delivery.smtp.types import BatchResult, OutboundMessage
 from tests.test_smtp_client import A, by_address, config, message, target
 
 OK = b"250 2.0.0 OK\r\n"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from delivery.smtp_client import (
+from delivery.smtp.client import (
     MAX_REPLY_BYTES,
     MAX_REPLY_LINES,
     READ_LIMIT,
@@ -21,7 +21,7 @@ from delivery.smtp_client import (
     _ProtocolError,
     deliver,
 )
-from delivery.types import BatchResult, OutboundMessage
+from delivery.smtp.types import BatchResult, OutboundMessage
 from tests.test_smtp_client import A, B, config, message, target
 
 MiB = 1024 * 1024
@@ -358,7 +358,7 @@ class Body(bytes):
 
 
 def _lazy(messages: list[OutboundMessage]) -> dict[int, bytes]:
-    """Take the bodies out of the messages (as delivery.deliver does)."""
+    """Take the bodies out of the messages (as delivery.smtp.deliver does)."""
     stored = {}
     for m in messages:
         stored[m.id] = m.data

@@ -1,11 +1,11 @@
-"""The envelope builder (``delivery.smtp_envelope``), table-tested without a socket."""
+"""The envelope builder (``delivery.smtp.envelope``), table-tested without a socket."""
 
 from __future__ import annotations
 
 import pytest
 
-from delivery import classify as c
-from delivery.smtp_envelope import (
+from delivery.smtp import classify as c
+from delivery.smtp.envelope import (
     BAD_RECIPIENT,
     BAD_SENDER,
     Envelope,
@@ -15,7 +15,7 @@ from delivery.smtp_envelope import (
     sender_refusal,
     size_limit,
 )
-from delivery.types import OutboundMessage, OutboundRecipient
+from delivery.smtp.types import OutboundMessage, OutboundRecipient
 
 HOST = "mx.example.com"
 BODY = b"From: s@example.org\r\nSubject: hi\r\n\r\nbody\r\n"

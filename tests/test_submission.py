@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from delivery.inbound.authlimit import AuthFailures
-from delivery.inbound.server import (
+from delivery.smtpd.authlimit import AuthFailures
+from delivery.smtpd.server import (
     InboundServer,
     TlsCertificate,
     plain_credentials,

@@ -1,5 +1,5 @@
 """Suspend for a time: a queue or a message suspended *until* a time resumes by
-itself then. The sweep and the reclaim beat (delivery.sweep) resume what is
+itself then. The sweep and the reclaim beat (delivery.qmgr.sweep) resume what is
 due and ring the links; tested with the movable clock, and once in real time
 with a short ``until`` and a real SMTP sink.
 """
@@ -14,7 +14,7 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
-from delivery.sweep import reclaim, sweep
+from delivery.qmgr.sweep import reclaim, sweep
 from queues import clock
 from queues.models import AuditEntry, Event, Message, Queue, Recipient, RecipientState
 from queues.services.actions import (

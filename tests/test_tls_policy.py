@@ -1,4 +1,4 @@
-"""Outbound TLS policy levels (delivery.tls_policy) against real peers on loopback.
+"""Outbound TLS policy levels (delivery.smtp.tls) against real peers on loopback.
 
 Peers present certificates issued by a trustme CA made here; ``verify``
 trusts that CA through ``TlsRequirement.ca_file`` (MAILRELAY_TLS_CA_FILE).
@@ -13,11 +13,11 @@ import pytest
 import trustme
 from django.core.exceptions import ImproperlyConfigured
 
-from delivery import tls_policy
-from delivery.routing import validate_routing_settings
-from delivery.smtp_client import deliver
-from delivery.tls_policy import TlsRequirement, level_for, parse_policy, requirement
-from delivery.types import BatchResult, NextHop
+from delivery.route.routing import validate_routing_settings
+from delivery.smtp import tls as tls_policy
+from delivery.smtp.client import deliver
+from delivery.smtp.tls import TlsRequirement, level_for, parse_policy, requirement
+from delivery.smtp.types import BatchResult, NextHop
 from tests.test_smtp_client import A, Target, config, message
 
 MX = "mx.secure.test"

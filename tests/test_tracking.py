@@ -14,11 +14,11 @@ from django.core.management import call_command
 from django.db import connection
 from django.test import Client
 
-from delivery.sweep import sweep
+from delivery.qmgr.sweep import sweep
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Message, Recipient
 from queues.services import actions
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain
 from tracking import eventlog, partitions

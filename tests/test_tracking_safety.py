@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from django.db import connection
 
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Message, Recipient, RecipientState
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.pipeline import drain
 from tracking import events, hooks, record
 from tracking.models import TrackingEvent

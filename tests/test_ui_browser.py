@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from delivery.categorize import categorize_pending
+from delivery.qmgr.categorize import categorize_pending
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Message, MessageState, Queue, Recipient, RecipientState
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.services.counts import queues_recount
 from tests.support import browser as browser_support
 from tests.support.browser import login, make_user, off_loop

@@ -15,6 +15,7 @@ import pytest
 from django.urls import reverse
 
 from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import (
     Attempt,
     AttemptOutcome,
@@ -30,7 +31,6 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.services.counts import queues_recount
 from tests.support.browser import make_user
 

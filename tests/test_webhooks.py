@@ -18,7 +18,7 @@ import pytest
 from django.test import Client
 
 from queues import clock
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain
 from tracking import endpoints, outbox, record, sender

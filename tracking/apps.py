@@ -10,8 +10,8 @@ class TrackingConfig(AppConfig):
         # store (queues imports nothing of this app).
         from django.db.models.signals import post_save
 
+        from queues.bounce.notify import dsn_sent
         from queues.models import AuditEntry
-        from queues.services.notify import dsn_sent
         from tracking import hooks
 
         post_save.connect(hooks.on_audit, sender=AuditEntry, dispatch_uid="tracking.audit")

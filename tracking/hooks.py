@@ -10,7 +10,7 @@ INSERT, in the caller's transaction (tracking.record):
 - ``attempted``: a delivery round's results (one row per attempt:
   ``delivered`` with the remote queue id, ``deferred`` or ``failed``);
 - ``expired``: the sweep expired recipients;
-- ``on_dsn_sent``: a DSN was queued (signal of queues.services.notify);
+- ``on_dsn_sent``: a DSN was queued (signal of queues.bounce.notify);
 - ``on_audit``: an operator action (post_save of queues.models.AuditEntry).
 """
 
@@ -64,7 +64,7 @@ PLACED_FACTS = (
 def placed(
     placements: Mapping[str, Any], now: datetime, facts: Mapping[int, tuple] | None = None
 ) -> None:
-    """After the categorizer decided a batch (delivery.categorize._apply).
+    """After the categorizer decided a batch (delivery.qmgr.categorize._apply).
 
     ``placements`` maps a domain to its decision: ``recipient_ids`` and either
     ``route`` (queue_name, link_name) or ``error`` (permanent, enhanced, text).
@@ -150,7 +150,7 @@ def attempted(
     facts: Mapping[int, tuple[str, str, str]] | None = None,
     owned: Container[int] | None = None,
 ) -> None:
-    """After a delivery round wrote its attempts (delivery.deliver._write):
+    """After a delivery round wrote its attempts (delivery.smtp.deliver._write):
     ``attempts`` are its queues.models.Attempt objects, ``rows`` the round's
     recipients by id with their new state, ``owned`` the ids of those it could
     still write (None: all); ``facts``: qid, sender and
@@ -201,7 +201,7 @@ def attempted(
 
 
 def expired(recipients: list[Any], now: datetime, reason: str) -> None:
-    """After the sweep expired ``recipients`` (delivery.sweep._expire)."""
+    """After the sweep expired ``recipients`` (delivery.qmgr.sweep._expire)."""
     facts = _facts(r.message_id for r in recipients)
     write(
         [
@@ -227,7 +227,7 @@ def on_dsn_sent(
     now: datetime,
     **kwargs: object,
 ) -> None:
-    """A DSN about ``recipients`` of ``message`` was queued (queues.services.notify)."""
+    """A DSN about ``recipients`` of ``message`` was queued (queues.bounce.notify)."""
     fields = {
         "message_pk": message.pk,
         "qid": message.qid,

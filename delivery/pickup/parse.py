@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from email.utils import format_datetime, getaddresses
 
-from delivery.inbound import policy
+from delivery.smtpd import policy
+from queues.accept import IncomingEnvelope, IncomingRecipient
 from queues.models import MessageSource
 from queues.replay import X_RECEIVER, X_SENDER, split_injected
-from queues.services.accept import IncomingEnvelope, IncomingRecipient
 
 # RFC 5322 3.6.8: a field name is printable ASCII but the colon; obsolete
 # syntax (4.5.8) allows white space before the colon.

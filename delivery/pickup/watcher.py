@@ -47,8 +47,8 @@ from delivery.pickup.parse import (
     parse_replay,
 )
 from queues import clock, counters
+from queues.accept import message_accept
 from queues.models import Event, EventLevel
-from queues.services.accept import message_accept
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +381,7 @@ def _store(submission: Submission) -> str:
 
 
 def _ring() -> None:
-    from delivery import bell  # looked up at call time: tests replace the bell
+    from delivery.qmgr import bell  # looked up at call time: tests replace the bell
 
     bell.ring_categorizer()
 
@@ -511,7 +511,7 @@ def start_pickup(
     left alone; polling resumes by itself. With no folder configured the
     service does nothing.
     """
-    from delivery.inbound.dbthreads import DatabaseExecutor  # its threads close their connections
+    from delivery.smtpd.dbthreads import DatabaseExecutor  # its threads close their connections
 
     loop = loop or asyncio.get_running_loop()
     folders = configured_folders() if folders is None else folders

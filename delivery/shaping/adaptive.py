@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 from delivery.shaping.limiter import Status
 from delivery.shaping.policy import Entry, Throttle
-from delivery.types import BatchResult
+from delivery.smtp.types import BatchResult
 
 
 def is_throttle(code: int | None, enhanced: str, text: str, texts: Iterable[str] = ()) -> bool:

@@ -1,4 +1,4 @@
-"""What a delivery round asks the shaping policy (hooks in delivery.deliver).
+"""What a delivery round asks the shaping policy (hooks in delivery.smtp.deliver).
 
 Per round, with a ``MAILRELAY_SHAPING`` file (without one: nothing here runs,
 no Redis, the built-in limits as before):
@@ -33,8 +33,8 @@ from delivery.shaping import adaptive, policy
 from delivery.shaping import limiter as limiter_module
 from delivery.shaping.limiter import Grant, Limiter, limiter, warn_unavailable
 from delivery.shaping.policy import Entry, Policy
-from delivery.smtp_client import ClientConfig
-from delivery.types import BatchResult, OutboundMessage
+from delivery.smtp.client import ClientConfig
+from delivery.smtp.types import BatchResult, OutboundMessage
 from queues import clock
 from queues.models import Link, Queue
 
@@ -66,8 +66,8 @@ def link_domains(link: Link) -> tuple[str, ...]:
 
 def destination(link_name: str, hosts: list[dict], domains: tuple[str, ...] = ()) -> dict:
     """What an entry can match for a link: domains, MX host names, next-hop names."""
-    from delivery.routing import hop_label
-    from delivery.types import NextHop
+    from delivery.route.routing import hop_label
+    from delivery.smtp.types import NextHop
 
     hops = [NextHop.from_json(h) for h in hosts]
     mx = [h.host for h in hops if not h.literal]
@@ -94,8 +94,8 @@ def speaking_hosts(entry: Entry, link: Link) -> frozenset[str] | None:
     provider's entry, but its host's 421s do not slow the provider down.
     Matched against the host each connection went to (its reply's ``host``).
     """
-    from delivery.routing import hop_label
-    from delivery.types import NextHop
+    from delivery.route.routing import hop_label
+    from delivery.smtp.types import NextHop
 
     if entry.is_default or link.name.lower() in entry.next_hops:
         return None
@@ -207,7 +207,7 @@ class ShapedRound:
 
 
 def _ring(link_id: int) -> None:
-    from delivery import bell
+    from delivery.qmgr import bell
 
     bell.ring_link(link_id)
 
@@ -217,7 +217,7 @@ def ring_later(link_id: int, seconds: float) -> None:
     which rings links with due work every MAILRELAY_SWEEP_INTERVAL anyway).
     Capped below the Redis broker's visibility timeout (1 h), past which a
     waiting task would be handed out twice."""
-    from delivery.tasks import deliver_link
+    from delivery.qmgr.tasks import deliver_link
 
     try:
         deliver_link.apply_async((link_id,), countdown=min(max(0.1, seconds), MAX_COUNTDOWN))

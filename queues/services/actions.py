@@ -349,7 +349,7 @@ def _remove(
     if ndr and removed:
         # The lead's DSN generation: queues the NDR in this same transaction, so
         # the removal and the notification it owes commit together.
-        from queues.services.notify import ndr_for
+        from queues.bounce.notify import ndr_for
 
         for mid, rids in removed.items():
             ndr_for(mid, rids)
@@ -1168,7 +1168,7 @@ def _in_flight(qs: QuerySet[Message]) -> QuerySet[Message]:
 
 
 def _owes_failure_report() -> Q:
-    # queues.services.notify / queues.dsn.dsn_wanted: never to the null sender nor
+    # queues.bounce.notify / queues.bounce.dsn.dsn_wanted: never to the null sender nor
     # about a report; no NOTIFY means FAILURE,DELAY; else FAILURE must be listed.
     return Q(notify="") | Q(notify__icontains="failure")
 

@@ -36,7 +36,7 @@ from queues.models import (
     QueueSample,
     Recipient,
 )
-from queues.services.placement import special_queue
+from queues.placement import special_queue
 
 SAMPLE_RETENTION = timedelta(hours=2)
 HISTORY_WINDOW = timedelta(hours=1)

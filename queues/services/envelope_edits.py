@@ -3,7 +3,7 @@
 A message that failed for a wrong address (a typo in the recipient, a sender
 the next hop refuses) is resubmitted with the address corrected; the stored
 bytes, headers included, stay exactly as received. Addresses are checked as
-SMTP checks them at RCPT/MAIL (``delivery.inbound.policy``): the same syntax,
+SMTP checks them at RCPT/MAIL (``delivery.smtpd.policy``): the same syntax,
 domain normalisation and refusal of sender-specified routing.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from django.db.models import QuerySet
 
+from queues.accept import recipient_domain
 from queues.models import Message, Recipient
-from queues.services.accept import recipient_domain
 from queues.services.action_errors import ActionConflict, ActionInvalid
 
 
@@ -27,7 +27,7 @@ def _path(text: str) -> str:
 
 def _mailbox(what: str, text: str, utf8: bool) -> str:
     """``text`` as an envelope address in its stored form ("" for ``<>``)."""
-    from delivery.inbound import policy
+    from delivery.smtpd import policy
 
     path = _path(text)
     try:

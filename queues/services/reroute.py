@@ -7,7 +7,7 @@ entry's) instead of the link routing gave it, which is kept in
 commit on the new hop's delivery takes the queue's waiting mail and the old
 hop's takes none; recipients a delivery holds already (ACTIVE) finish where
 they are. The categorizer keeps new mail of the queue on the re-route
-(``queues.services.placement``). At ``Queue.reroute_until`` the sweep ends it
+(``queues.placement``). At ``Queue.reroute_until`` the sweep ends it
 (``queues.services.timed``), or an operator does (unroute): the queue goes
 back to the link it came from and routing is normal again.
 """
@@ -50,8 +50,8 @@ def describe(queue: Queue, now: datetime | None = None) -> str:
 
 
 def _override_link(queue: Queue, to: str, now: datetime) -> Link:
-    from delivery.routing import override_route
-    from delivery.types import RouteError
+    from delivery.route.routing import override_route
+    from delivery.smtp.types import RouteError
 
     try:
         route = override_route(to, queue.name)

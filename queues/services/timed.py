@@ -3,7 +3,7 @@
 An operator may suspend a queue or a message, or re-route a queue, *until* a
 time (``Queue.suspended_until``, ``Message.suspended_until``,
 ``Queue.reroute_until``; None: until undone by hand). ``end_due`` is run by the
-sweep and by the quicker reclaim beat (``delivery.sweep``): it resumes what is
+sweep and by the quicker reclaim beat (``delivery.qmgr.sweep``): it resumes what is
 due and ends due re-routes with the same cores the operator's resume and
 unroute run, each in its own transaction, and rings the engine (the cores
 send ``queues.signals`` after commit). Each automatic end is an ``Event`` on

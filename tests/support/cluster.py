@@ -591,7 +591,8 @@ class Cluster:
             [
                 PYTHON,
                 "-c",
-                "import django; django.setup(); import delivery.deliver as d; print(d.__file__)",
+                "import django; django.setup(); import delivery.smtp.deliver as d; "
+                "print(d.__file__)",
             ],
             cwd="/",  # PYTHONPATH alone, not the working folder, must lead to root
             env=self.base_env(),

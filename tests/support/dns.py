@@ -31,7 +31,7 @@ import pytest
 from dnslib import AAAA, CNAME, MX, QTYPE, RCODE, RR, SOA, A, DNSError, DNSRecord
 from dnslib.server import DNSHandler, DNSLogger, DNSServer
 
-from delivery.dns import clear_caches
+from delivery.route.dns import clear_caches
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from delivery.inbound.server import InboundConfig, InboundServer
+from delivery.smtpd.server import InboundConfig, InboundServer
 
 
 class SMTPRefused(AssertionError):

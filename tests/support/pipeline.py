@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from delivery.categorize import categorize_pending
-from delivery.deliver import deliver_link
-from delivery.sweep import _links_with_due_work
+from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.sweep import _links_with_due_work
+from delivery.smtp.deliver import deliver_link
 
 
 def drain(max_rounds: int = 50) -> int:

@@ -5,7 +5,7 @@
 
 Rules come from ``--rules FILE``; without it, the active rule list: the file
 named by ``MAILRELAY_RETRY_RULES`` followed by the rules compiled from the
-Exchange retry settings (delivery.retry). The schedule is shown relative to
+Exchange retry settings (delivery.smtp.retry). The schedule is shown relative to
 the first failure, so it needs no clock, up to ``--until`` (default: the
 message expiration timeout, when Exchange's expiry ends every schedule).
 """
@@ -19,9 +19,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 # The engine options from settings, as the active rules use them (a --rules file too).
-from delivery.retry import options as settings_options
-from delivery.retry import rules as active_rules
-from delivery.retryrules import (
+from delivery.smtp.retry import options as settings_options
+from delivery.smtp.retry import rules as active_rules
+from delivery.smtp.retryrules import (
     RetryRuleError,
     RetryRules,
     Rule,
@@ -32,7 +32,7 @@ from delivery.retryrules import (
 )
 from queues.units import format_duration, parse_duration
 
-# A final cutoff this long is "never" (delivery.retry.FOREVER): project to expiry.
+# A final cutoff this long is "never" (delivery.smtp.retry.FOREVER): project to expiry.
 NEVER_ENDS = timedelta(days=365)
 # Any fixed instant will do: only offsets from it are printed.
 _EPOCH = datetime(2000, 1, 1, tzinfo=UTC)

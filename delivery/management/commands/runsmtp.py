@@ -34,7 +34,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from delivery.backpressure.config import BackPressureConfig
 from delivery.backpressure.monitor import Monitor
-from delivery.inbound.server import (
+from delivery.pickup.watcher import always_allowed, start_pickup
+from delivery.smtpd.server import (
     DEFAULT_DB_THREADS,
     InboundConfig,
     InboundServer,
@@ -42,7 +43,6 @@ from delivery.inbound.server import (
     parse_listen,
     raise_file_limit,
 )
-from delivery.pickup.watcher import always_allowed, start_pickup
 from mailrelay.hostname import hostname_warning
 
 RESTART_DELAY = 1.0  # seconds before a dead child is started again; doubles while it keeps dying

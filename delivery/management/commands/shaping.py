@@ -18,7 +18,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from delivery.shaping import adaptive, gate, policy
 from delivery.shaping.limiter import Status, limiter
 from delivery.shaping.policy import Entry
-from delivery.types import RouteError
+from delivery.smtp.types import RouteError
 from queues import clock
 from queues.models import Link
 
@@ -100,7 +100,7 @@ class Command(BaseCommand):
         self.stdout.write("  (the default entry limits each next hop on its own)")
 
     def _test(self, pol: policy.Policy, domain: str) -> None:
-        from delivery.routing import DNS_MX, Router
+        from delivery.route.routing import DNS_MX, Router
 
         try:
             route = Router.from_settings().route(domain)

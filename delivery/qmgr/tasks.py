@@ -13,11 +13,11 @@ import time
 from celery import shared_task
 from django.conf import settings
 
-from delivery import bell
-from delivery.categorize import categorize_pending
-from delivery.deliver import deliver_link as deliver_link_now
-from delivery.sweep import reclaim as reclaim_now
-from delivery.sweep import sweep as sweep_now
+from delivery.qmgr import bell
+from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.sweep import reclaim as reclaim_now
+from delivery.qmgr.sweep import sweep as sweep_now
+from delivery.smtp.deliver import deliver_link as deliver_link_now
 
 # A categorize task hands over to a fresh task after this long, so one
 # backlog cannot pin a worker process forever.
@@ -61,6 +61,6 @@ def sweep() -> dict:
 
 @shared_task(name="delivery.tasks.reclaim")
 def reclaim() -> dict:
-    """Take back the claims of dead owners and ring for their work (delivery.ownership)."""
+    """Take back the claims of dead owners and ring for their work (delivery.qmgr.ownership)."""
     report = reclaim_now()
     return {"recipients": report.recipients_reclaimed, "messages": report.messages_reclaimed}

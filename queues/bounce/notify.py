@@ -20,10 +20,11 @@ from django.conf import settings
 from django.db import transaction
 from django.dispatch import Signal
 
-from queues import clock, counters, dsn
+from queues import clock, counters
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.bodies import body_prefix
+from queues.bounce import dsn
 from queues.models import Message, MessageSource, Recipient
-from queues.services.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.signals import categorizer_work
 
 # Sent in the caller's transaction when a report was queued (message tracking
@@ -89,7 +90,7 @@ def notify(
     3. read what the report returns (RFC 3461 RET, MAILRELAY_MAX_DSN_SIZE):
        the whole original, or only its header block; never a report about
        a report (a foreign one is recognised by its header);
-    4. build the RFC 3464 report (queues.dsn) and accept it as a new message
+    4. build the RFC 3464 report (queues.bounce.dsn) and accept it as a new message
        from <> to the original sender, in the caller's transaction;
     5. after commit, ring the categorizer.
     Returns the report's Message, or None when none is owed.

@@ -3,7 +3,7 @@
 How Exchange's counters and Exim's rules combine (README, "Retry"):
 
 * The schedule is always computed by the Exim rule engine
-  (:mod:`delivery.retryrules`). The rule list is the operator's file
+  (:mod:`delivery.smtp.retryrules`). The rule list is the operator's file
   (``MAILRELAY_RETRY_RULES``), followed by rules *compiled from Exchange's
   settings*; the first match wins, so a file rule overrides Exchange's
   behaviour only for the addresses and errors it matches.
@@ -32,7 +32,7 @@ from typing import Protocol, TypeVar
 
 from django.conf import settings
 
-from delivery.retryrules import (
+from delivery.smtp.retryrules import (
     NextRetry,
     RetryData,
     RetryOptions,
@@ -48,7 +48,7 @@ from delivery.retryrules import (
     parse_rules,
     record_failure,
 )
-from delivery.types import HostFailure, RecipientResult
+from delivery.smtp.types import HostFailure, RecipientResult
 from queues.models import RetryHint
 from queues.units import format_duration
 
@@ -188,7 +188,7 @@ def validate_retry_settings() -> None:
     """Fail start-up on a bad rule file, naming the setting and the line."""
     from django.core.exceptions import ImproperlyConfigured
 
-    from delivery.retryrules import RetryRuleError
+    from delivery.smtp.retryrules import RetryRuleError
 
     try:
         rules()
@@ -201,7 +201,7 @@ def categorizer_retry_at(now: datetime) -> datetime:
     return now + settings.MAILRELAY_CATEGORIZER_RETRY_INTERVAL
 
 
-# --- decisions over one delivery round (pure: delivery.deliver reads and writes) -------
+# --- decisions over one delivery round (pure: delivery.smtp.deliver reads and writes) -------
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ under load, sessions wait for their commits at the same time. The
 ``GroupCommitter`` has a few committer threads (each owning one Django
 connection); a thread takes the first waiting message and every other one
 waiting at that moment (up to ``max_batch`` messages, ``max_bytes``), stores
-them with one statement (``queues.services.accept.messages_accept``) and
+them with one statement (``queues.accept.messages_accept``) and
 then answers each message's future: its Message once committed, or the
 exception that kept it out. Nothing waits for a batch to fill: with no load a
 batch is one message, under load batches grow by themselves (Postgres's own
@@ -56,7 +56,7 @@ StoreBatch = Callable[[Sequence[tuple[Any, Any]]], list[Any]]
 
 
 def _default_store_batch(batch: Sequence[tuple[Any, Any]]) -> list[Any]:
-    from queues.services.accept import messages_accept
+    from queues.accept import messages_accept
 
     return messages_accept(batch)
 

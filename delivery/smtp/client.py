@@ -23,10 +23,10 @@ final dot (a transaction abandoned after 354 is closed without the dot, so
 the next hop has nothing to deliver).
 
 The client never raises for network problems: every exception becomes a
-``RecipientResult`` (see ``delivery.classify`` for how replies are judged).
+``RecipientResult`` (see ``delivery.smtp.classify`` for how replies are judged).
 
 One message goes through ``_Connection.send``: the envelope is built
-without the peer (``delivery.smtp_envelope``), then exchanged pipelined or
+without the peer (``delivery.smtp.envelope``), then exchanged pipelined or
 in lock-step (``_pipelined``, ``_lockstep``), then the body is sent
 (``_send_body``) and the final reply closes the transaction.
 """
@@ -48,10 +48,10 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import NamedTuple, Protocol
 
-from delivery import classify as c
-from delivery import dane, mta_sts
-from delivery.smtp_auth import Credentials
-from delivery.smtp_envelope import (
+from delivery.smtp import classify as c
+from delivery.smtp import dane, mta_sts
+from delivery.smtp.auth import Credentials
+from delivery.smtp.envelope import (
     BAD_RECIPIENT,
     DATA_LINE,
     Envelope,
@@ -59,9 +59,9 @@ from delivery.smtp_envelope import (
     build_envelope,
     sender_refusal,
 )
-from delivery.tls_policy import ENHANCED as TLS_ENHANCED
-from delivery.tls_policy import MAY, TLS_REQUIRED, TlsRequirement
-from delivery.types import (
+from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
+from delivery.smtp.tls import MAY, TLS_REQUIRED, TlsRequirement
+from delivery.smtp.types import (
     BatchResult,
     HostFailure,
     OutboundMessage,
@@ -107,7 +107,7 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 class Peer(Protocol):
     """Where to connect: one SMTP server's name, address and port.
 
-    ``delivery.routing.Target`` provides it (and tests' own small classes).
+    ``delivery.route.routing.Target`` provides it (and tests' own small classes).
     """
 
     @property
@@ -129,7 +129,7 @@ class ClientConfig:
     max_messages_per_connection: int = 20
     max_connections: int = 10
     # Per target: the TLS requirement (None: "may" everywhere) and the AUTH
-    # credentials (None: no AUTH); see delivery.tls_policy.RoundTls.
+    # credentials (None: no AUTH); see delivery.smtp.tls.RoundTls.
     tls_for: Callable[[Peer], TlsRequirement] | None = None
     auth_for: Callable[[Peer], Credentials | None] | None = None
     # Source addresses to bind (at most one IPv4, one IPv6; delivery.shaping):
@@ -333,7 +333,7 @@ class _Failure:
     code: int | None
     text: str
     target: Peer
-    error: str = ""  # Exim error name (see delivery.types.HostFailure)
+    error: str = ""  # Exim error name (see delivery.smtp.types.HostFailure)
     enhanced: str = ""  # overrides the classified enhanced code when set
     in_reply_to: str = ""  # the command answered, when the phase does not say (AUTH)
     tls_policy: str = ""
@@ -730,7 +730,7 @@ class _Connection:
         1. refuse an unsafe sender or MAIL parameter (5.1.7) before reading
            the body; read it (``load_body`` when ``msg.data`` is None; a
            failure defers the message, 4.3.0);
-        2. build the envelope (``delivery.smtp_envelope``), which may refuse
+        2. build the envelope (``delivery.smtp.envelope``), which may refuse
            the whole message (SIZE 5.3.4, SMTPUTF8 5.6.7) or some recipients
            (5.1.3) without asking the peer;
         3. MAIL, RCPT and DATA, pipelined or in lock-step (``_exchange``);

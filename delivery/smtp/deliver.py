@@ -19,20 +19,23 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
 
-from delivery import retry, tls_policy
-from delivery.categorize import park_poison, worker_id
-from delivery.ownership import Claim, while_connected, while_renewing
-from delivery.routing import DNS_MX, order_targets
+from delivery.qmgr.categorize import park_poison, worker_id
+from delivery.qmgr.ownership import Claim, while_connected, while_renewing
+from delivery.route.routing import DNS_MX, order_targets
 from delivery.shaping import gate as shaping_gate
-from delivery.smtp_client import ClientConfig, deliver
-from delivery.types import (
+from delivery.smtp import retry
+from delivery.smtp import tls as tls_policy
+from delivery.smtp.client import ClientConfig, deliver
+from delivery.smtp.types import (
     BatchResult,
     NextHop,
     OutboundMessage,
     OutboundRecipient,
     RecipientResult,
 )
-from queues import clock, counters, dsn
+from queues import clock, counters
+from queues.bounce import dsn
+from queues.bounce.notify import notify
 from queues.dberrors import is_outage
 from queues.models import (
     Attempt,
@@ -48,8 +51,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.notify import notify
-from queues.services.placement import special_queue
+from queues.placement import special_queue
 from tracking import hooks as tracking
 
 log = logging.getLogger(__name__)
@@ -786,7 +788,7 @@ def _with_tls(
     claim: Claim | None = None,
 ) -> ClientConfig | str:
     """``config`` with the round's TLS requirements and AUTH credentials
-    (delivery.tls_policy.plan: policy file, MTA-STS, DANE, all looked up here,
+    (delivery.smtp.tls.plan: policy file, MTA-STS, DANE, all looked up here,
     before the round sends; a recipient domain's MTA-STS server is waited for
     while ``claim`` is renewed); or why the round cannot go (then it is
     deferred: a policy that cannot be read must not become cleartext)."""

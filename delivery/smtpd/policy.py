@@ -21,7 +21,7 @@ import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from delivery.inbound import replies
+from delivery.smtpd import replies
 from queues import domains
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from django.conf import settings
 from django.db import connection, transaction
 
-from delivery import bell, retry
-from delivery.ownership import Claim, while_connected
-from delivery.routing import Router
-from delivery.types import Route, RouteError
-from queues import clock, counters, dsn
+from delivery.qmgr import bell
+from delivery.qmgr.ownership import Claim, while_connected
+from delivery.route.routing import Router
+from delivery.smtp import retry
+from delivery.smtp.types import Route, RouteError
+from queues import clock, counters
+from queues.bounce import dsn
+from queues.bounce.notify import notify
 from queues.dberrors import is_outage
 from queues.models import (
     Attempt,
@@ -32,8 +35,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
-from queues.services.notify import notify
-from queues.services.placement import placement_for_route, special_queue
+from queues.placement import placement_for_route, special_queue
 from tracking import hooks as tracking
 
 log = logging.getLogger(__name__)

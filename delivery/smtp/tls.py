@@ -12,13 +12,13 @@ Levels:
 - ``encrypt``: TLS required, the certificate is not checked;
 - ``verify`` / ``secure``: TLS required, chain and host name verified against
   ``MAILRELAY_TLS_CA_FILE`` (default: the system store);
-- ``dane``: DANE (RFC 7672, ``delivery.dane``) where the MX host has
+- ``dane``: DANE (RFC 7672, ``delivery.smtp.dane``) where the MX host has
   DNSSEC-validated TLSA records, else ``may``; ``dane-only``: no usable TLSA
   is a failure.
 
 Destinations without a line get ``MAILRELAY_TLS_DEFAULT_LEVEL`` (``may``);
 DNS-routed domains without a line may get a stricter requirement from their
-MTA-STS policy (``delivery.mta_sts``, ``MAILRELAY_MTA_STS``). When several
+MTA-STS policy (``delivery.smtp.mta_sts``, ``MAILRELAY_MTA_STS``). When several
 domains share a link in one round, the strictest level applies.
 
 A level that cannot be met is a per-connection temporary failure
@@ -39,8 +39,9 @@ from datetime import datetime
 
 from django.conf import settings
 
-from delivery import dane, mta_sts, smtp_auth
-from delivery.dane import Tlsa
+from delivery.smtp import auth as smtp_auth
+from delivery.smtp import dane, mta_sts
+from delivery.smtp.dane import Tlsa
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,8 @@ def plan(
     MTA-STS lookups and fetches (``mta_sts.policy_for``): a round passes one
     that renews its claim meanwhile.
     """
-    from delivery.dns import make_resolver
-    from delivery.routing import configured_hops, hop_label
+    from delivery.route.dns import make_resolver
+    from delivery.route.routing import configured_hops, hop_label
 
     ca_file = settings.MAILRELAY_TLS_CA_FILE
     hops = list(link_hops)

@@ -78,7 +78,7 @@ def printable(text: str) -> str:
 def recipient_domain(address: str) -> str:
     """``Recipient.domain``: the address's domain in the form it is routed by.
 
-    The parsers normalise every address at accept (``delivery.inbound.policy``),
+    The parsers normalise every address at accept (``delivery.smtpd.policy``),
     so this is its domain part as stored (A-labels; an address literal in
     lower case). Addresses from elsewhere (a DSN to a sender stored before
     normalisation) are normalised here; one without a form is kept in lower

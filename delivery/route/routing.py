@@ -38,8 +38,8 @@ import dns.resolver
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from delivery.dns import make_resolver, parse_nameserver
-from delivery.types import NextHop, Route, RouteError
+from delivery.route.dns import make_resolver, parse_nameserver
+from delivery.smtp.types import NextHop, Route, RouteError
 from queues import domains
 
 # queues.models.DeliveryType values (kept as strings: routing does not import models)
@@ -236,7 +236,7 @@ def validate_routing_settings() -> None:
             lambda: [parse_nameserver(spec) for spec in settings.MAILRELAY_DNS_NAMESERVERS],
         ),
     ]
-    from delivery.tls_policy import validate_tls_settings  # imports routing: not at the top
+    from delivery.smtp.tls import validate_tls_settings  # imports routing: not at the top
 
     checks += validate_tls_settings()
     for name, check in checks:
@@ -503,7 +503,7 @@ def _configured_routes(
 def configured_hops(domain: str) -> tuple[NextHop, ...]:
     """The next hops of ``domain`` as written in the transport map or smart host
     (before any MX lookup), or () when DNS routes it: the names a TLS policy
-    or AUTH line may use for them (delivery.tls_policy)."""
+    or AUTH line may use for them (delivery.smtp.tls)."""
     router = Router.from_settings()
     try:
         entry = lookup_transport(router.transports, _route_name(domain))

@@ -14,8 +14,10 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
-from delivery import bell
-from queues import clock, counters, dsn
+from delivery.qmgr import bell
+from queues import clock, counters
+from queues.bounce import dsn
+from queues.bounce.notify import notify
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     DeliveryType,
@@ -28,9 +30,8 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
+from queues.placement import special_queue
 from queues.services.counts import queues_recount
-from queues.services.notify import notify
-from queues.services.placement import special_queue
 from queues.services.timed import end_due as end_timed_actions
 from tracking import hooks as tracking
 
@@ -56,7 +57,7 @@ class SweepReport:
 
 
 def _reclaim_expired_claims(report: SweepReport) -> None:
-    """Take back what owners stopped renewing (queues.transitions, delivery.ownership)."""
+    """Take back what owners stopped renewing (queues.transitions, delivery.qmgr.ownership)."""
     now = clock.now()
     # A delivery that died mid-round: its recipients wait again, due now.
     report.recipients_reclaimed = Recipient.objects.reclaim_expired(now)

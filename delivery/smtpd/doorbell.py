@@ -8,7 +8,7 @@ import logging
 import math
 from collections.abc import Callable
 
-from delivery import bell
+from delivery.qmgr import bell
 
 log = logging.getLogger(__name__)
 

@@ -60,17 +60,14 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 
 from delivery.backpressure.samplers import InFlight
-from delivery.inbound import authlimit, policy, replies
-from delivery.inbound.aiosmtpd_adapter import AiosmtpdSession
-from delivery.inbound.authlimit import AuthLimiter
-from delivery.inbound.dbthreads import DatabaseExecutor
-from delivery.inbound.doorbell import CoalescedBell
-from delivery.inbound.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
+from delivery.smtpd import authlimit, policy, replies
+from delivery.smtpd.aiosmtpd_adapter import AiosmtpdSession
+from delivery.smtpd.authlimit import AuthLimiter
+from delivery.smtpd.dbthreads import DatabaseExecutor
+from delivery.smtpd.doorbell import CoalescedBell
+from delivery.smtpd.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
 from queues import counters
-from queues.headers import author_addresses, header_end, header_shape_refusal
-from queues.models import MessageSource
-from queues.services import accounts
-from queues.services.accept import (
+from queues.accept import (
     IncomingEnvelope,
     IncomingRecipient,
     PreparedMessage,
@@ -79,6 +76,9 @@ from queues.services.accept import (
     prepared_accept_many,
     printable,
 )
+from queues.headers import author_addresses, header_end, header_shape_refusal
+from queues.models import MessageSource
+from queues.services import accounts
 
 if TYPE_CHECKING:
     from delivery.backpressure.monitor import Monitor

@@ -9,14 +9,14 @@ For a domain routed by DNS (MX records), before a delivery round:
    against ``MAILRELAY_TLS_CA_FILE`` or the system store; no redirects; one
    deadline, ``MAILRELAY_MTA_STS_FETCH_TIMEOUT``, for the whole fetch; header
    and body sizes capped; only from a public address unless
-   ``MAILRELAY_MTA_STS_ALLOW_PRIVATE``: ``delivery.https_fetch``), and cached
+   ``MAILRELAY_MTA_STS_ALLOW_PRIVATE``: ``delivery.smtp.https_fetch``), and cached
    in the database (``queues.models.MtaStsPolicy``) for its ``max_age``; it is
    fetched again when the TXT id changes;
 3. a failed lookup or fetch keeps using a cached policy that has not expired
    (§5.1), or applies none.
 
 ``mode: enforce`` means the MX host must match one of the policy's ``mx``
-patterns and TLS must verify (``delivery.tls_policy`` turns that into a
+patterns and TLS must verify (``delivery.smtp.tls`` turns that into a
 requirement per host); ``testing`` means deliver anyway and report; ``none``
 means no policy.
 
@@ -40,7 +40,7 @@ import dns.exception
 import dns.resolver
 from django.conf import settings
 
-from delivery import https_fetch
+from delivery.smtp import https_fetch
 from queues.units import seconds
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def _txt_id(resolver: dns.resolver.Resolver, domain: str) -> str | None:
 
 
 def fetch_text(resolver: dns.resolver.Resolver, domain: str) -> str:
-    """The policy file of ``domain`` over verified HTTPS (``delivery.https_fetch``:
+    """The policy file of ``domain`` over verified HTTPS (``delivery.smtp.https_fetch``:
     one deadline, size caps, public addresses only); raises on any failure."""
     try:
         body = https_fetch.fetch(
@@ -213,7 +213,7 @@ def _published(
     """The TXT id and, when it is not the cached policy's, the policy text.
 
     Network only, no database: the delivery round runs it in a thread of its
-    own while it renews its claim (``delivery.ownership.while_renewing``).
+    own while it renews its claim (``delivery.qmgr.ownership.while_renewing``).
     """
     try:
         policy_id = _txt_id(resolver, domain)

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from delivery import classify as c
-from delivery.types import OutboundMessage, OutboundRecipient
+from delivery.smtp import classify as c
+from delivery.smtp.types import OutboundMessage, OutboundRecipient
 from queues.headers import header_end
 
 CRLF = b"\r\n"

@@ -7,7 +7,7 @@ third of it from the thread that does the work and holds its database
 connection, whatever it is waiting for (a slow peer, a DNS answer, a
 10-minute reply to the final dot: the SMTP exchange runs in an event-loop
 thread of its own while the owner's thread renews and serves it message
-bodies, see ``delivery.deliver``). So:
+bodies, see ``delivery.smtp.deliver``). So:
 
 - a process killed with -9, OOM-killed or cut off from PostgreSQL stops
   renewing, its leases run out, and the sweep's reclaim hands the rows on

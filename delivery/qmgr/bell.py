@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 
 def ring_categorizer() -> None:
-    from delivery.tasks import categorize
+    from delivery.qmgr.tasks import categorize
 
     try:
         categorize.delay()
@@ -23,7 +23,7 @@ def ring_categorizer() -> None:
 
 
 def ring_link(link_id: int) -> None:
-    from delivery.tasks import deliver_link
+    from delivery.qmgr.tasks import deliver_link
 
     try:
         deliver_link.delay(link_id)

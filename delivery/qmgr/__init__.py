@@ -1,0 +1,1 @@
+"""The queue manager: the Celery tasks, the categorizer, the sweep, claims."""

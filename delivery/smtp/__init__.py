@@ -1,0 +1,1 @@
+"""Outbound SMTP: a round's claim, plan and send (deliver), the client, TLS, retry."""
