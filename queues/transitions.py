@@ -288,13 +288,15 @@ class MessageQuerySet(models.QuerySet):
     def reclaim_expired(self, now: datetime) -> int:
         """Categorizer claims whose owner stopped renewing: back to Submission, due
         now, each message tried alone next (its batch may have crashed on any one)."""
-        return self.filter(state=MessageState.CATEGORIZING, lease_until__lt=now).update(
-            state=MessageState.SUBMISSION,
-            lease_owner="",
-            lease_until=None,
-            next_attempt_at=now,
-            isolate=True,
-        )
+        expired = self.filter(state=MessageState.CATEGORIZING, lease_until__lt=now)
+        with transaction.atomic():  # FOR UPDATE needs one, even in a subquery
+            return _not_locked(expired).update(
+                state=MessageState.SUBMISSION,
+                lease_owner="",
+                lease_until=None,
+                next_attempt_at=now,
+                isolate=True,
+            )
 
 
 class RecipientQuerySet(models.QuerySet):
@@ -519,9 +521,22 @@ class RecipientQuerySet(models.QuerySet):
     def reclaim_expired(self, now: datetime) -> int:
         """Rounds whose owner stopped renewing (killed, cut off from the database):
         their recipients wait again, due now."""
-        return self.filter(state=RecipientState.ACTIVE, lease_until__lt=now).update(
-            state=RecipientState.QUEUED, lease_owner="", lease_until=None, next_attempt_at=now
-        )
+        expired = self.filter(state=RecipientState.ACTIVE, lease_until__lt=now)
+        with transaction.atomic():  # FOR UPDATE needs one, even in a subquery
+            return _not_locked(expired).update(
+                state=RecipientState.QUEUED, lease_owner="", lease_until=None, next_attempt_at=now
+            )
+
+
+def _not_locked(expired: models.QuerySet) -> models.QuerySet:
+    """The expired claims whose rows no transaction holds (FOR UPDATE SKIP LOCKED):
+    a cut-off owner's session may still hold its rows, idle in a transaction,
+    until PostgreSQL ends it (MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT); the
+    reclaim must not wait for it — it takes those rows at a later run, and
+    everything else at once."""
+    return expired.model.objects.filter(
+        pk__in=expired.select_for_update(skip_locked=True).values("pk")
+    )
 
 
 def _json_column_type(field: models.Field) -> str:
@@ -552,7 +567,9 @@ class LinkQuerySet(models.QuerySet):
         return self.filter(pk=link_id, lease_owner=owner).update(lease_owner="", lease_until=None)
 
     def reclaim_expired(self, now: datetime) -> int:
-        return self.filter(lease_until__lt=now).update(lease_owner="", lease_until=None)
+        expired = self.filter(lease_until__lt=now)
+        with transaction.atomic():  # FOR UPDATE needs one, even in a subquery
+            return _not_locked(expired).update(lease_owner="", lease_until=None)
 
     def unowned(self, now: datetime) -> LinkQuerySet:
         return self.filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))

@@ -308,6 +308,43 @@ def test_while_renewing_renews_the_claim_while_the_work_runs_and_hands_back_its_
         while_renewing(claim, cut)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_cut_off_owners_locked_rows_never_stall_the_reclaim(relay, settings):
+    """A host partitioned away in the middle of a transaction leaves its session
+    idle in it, holding its rows: the reclaim takes every other expired claim at
+    once, and PostgreSQL ends the idle session (the relay's connection options),
+    after which those rows are taken too."""
+    import psycopg
+    from django.db import connection
+
+    from delivery.smtp.deliver import claim_round
+
+    relay.a("example.net", "127.0.0.2")
+    for i in range(4):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    assert claim_round(link.pk, "gone-host/1", 2) and claim_round(link.pk, "dead-host/1", 2)
+    params = connection.get_connection_params()
+    assert "idle_in_transaction_session_timeout=15000" in params["options"]
+    params["options"] = params["options"].replace("=15000", "=1500")  # 1.5 s for the test
+    zombie = psycopg.connect(**params)
+    zombie.execute(
+        "UPDATE queues_recipient SET last_text = 'sent' WHERE lease_owner = 'gone-host/1'"
+    )  # ... and its COMMIT never arrives
+    clock.advance(settings.MAILRELAY_DELIVERY_LEASE + timedelta(seconds=1))
+    started = time.monotonic()
+    assert reclaim().recipients_reclaimed == 2  # the dead host's rows, not the locked ones
+    assert time.monotonic() - started < 1.0
+    time.sleep(2.0)  # PostgreSQL ends the session that sat idle in its transaction
+    with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+        zombie.execute("SELECT 1")
+    assert reclaim().recipients_reclaimed == 2
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.QUEUED}
+    assert not Recipient.objects.filter(last_text="sent").exists()  # rolled back
+
+
 @pytest.mark.django_db
 def test_the_reclaim_takes_back_a_dead_round_and_rings_its_link(relay, sink_factory, settings):
     from delivery.smtp.deliver import claim_round
