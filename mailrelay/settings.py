@@ -6,12 +6,12 @@ import socket
 from datetime import timedelta
 from pathlib import Path
 
-import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Exchange, Queue
 
 from queues.domains import domain_keys
 
+from .dburl import parse_database_url
 from .env import (
     env_bool,
     env_duration,
@@ -140,10 +140,9 @@ TEMPLATES = [
 DATABASE_URL = env_str("DATABASE_URL", "")
 if DATABASE_URL:
     # Persistent connections, checked before reuse: a worker or ingress thread
-    # keeps one connection instead of opening one per task.
-    DATABASES = {
-        "default": dj_database_url.parse(DATABASE_URL, conn_max_age=None, conn_health_checks=True)
-    }
+    # keeps one connection instead of opening one per task. libpq's multi-host
+    # forms (h1:5432,h2:5432 / host=h1,h2) follow the primary (mailrelay.dburl).
+    DATABASES = {"default": parse_database_url(DATABASE_URL)}
 else:
     DATABASES = {
         "default": {
