@@ -46,6 +46,7 @@ from typing import TypeVar
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
+from delivery.outage import OUTAGE
 from queues import clock
 
 log = logging.getLogger(__name__)
@@ -155,13 +156,16 @@ def while_connected(claim: Claim, work: Callable[[], T]) -> T:
     delay = 0.2
     while True:
         try:
-            return work()
+            result = work()
+            OUTAGE.recovered()
+            return result
         except (OperationalError, InterfaceError) as exc:
             drop_connection()
             claim.renew()  # keeps the claim across the outage, or finds it lost
             if not claim.held():
                 raise
-            log.warning("database unavailable (%s); trying again in %.1fs", exc, delay)
+            OUTAGE.failed(exc)  # logged once per outage
+            log.debug("database unavailable (%s); trying again in %.1fs", exc, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
