@@ -219,6 +219,12 @@ if not CELERY_BROKER_URL:
         "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
+elif CELERY_BROKER_URL.startswith("sentinel://"):
+    # Redis Sentinel (docs/high-availability.md): CELERY_BROKER_URL lists the
+    # sentinels (sentinel://s1:26379;sentinel://s2:26379); they name the master.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "master_name": env_str("MAILRELAY_BROKER_SENTINEL_MASTER", "mymaster")
+    }
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
