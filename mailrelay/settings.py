@@ -6,12 +6,12 @@ import socket
 from datetime import timedelta
 from pathlib import Path
 
-import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Exchange, Queue
 
 from queues.domains import domain_keys
 
+from .dburl import parse_database_url
 from .env import (
     env_bool,
     env_duration,
@@ -141,10 +141,9 @@ TEMPLATES = [
 DATABASE_URL = env_str("DATABASE_URL", "")
 if DATABASE_URL:
     # Persistent connections, checked before reuse: a worker or ingress thread
-    # keeps one connection instead of opening one per task.
-    DATABASES = {
-        "default": dj_database_url.parse(DATABASE_URL, conn_max_age=None, conn_health_checks=True)
-    }
+    # keeps one connection instead of opening one per task. libpq's multi-host
+    # forms (h1:5432,h2:5432 / host=h1,h2) follow the primary (mailrelay.dburl).
+    DATABASES = {"default": parse_database_url(DATABASE_URL)}
 else:
     DATABASES = {
         "default": {
@@ -248,6 +247,12 @@ if not CELERY_BROKER_URL:
         "processed_folder": str(_broker_dir / "processed"),
         "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
+    }
+elif CELERY_BROKER_URL.startswith("sentinel://"):
+    # Redis Sentinel (docs/high-availability.md): CELERY_BROKER_URL lists the
+    # sentinels (sentinel://s1:26379;sentinel://s2:26379); they name the master.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "master_name": env_str("MAILRELAY_BROKER_SENTINEL_MASTER", "mymaster")
     }
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True

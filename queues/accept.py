@@ -237,7 +237,9 @@ def _insert_as_drawn(prepared: PreparedMessage) -> Message:
         if not is_outage(exc) or connection.in_atomic_block or connection.vendor != "postgresql":
             raise  # the caller's transaction is lost with the connection; SQLite is local
         qid = prepared.message.qid
-        log.warning("%s: database connection lost; retrying once on a new one", qid)
+        # Debug only: while the database is away every message comes here, and
+        # the 451 (if the retry fails too) is logged once by the SMTP session.
+        log.debug("%s: database connection lost; retrying once on a new one", qid)
         connection.close()
     stored = _qid_holder(prepared.message)
     if stored is not None:
@@ -349,8 +351,11 @@ def prepared_accept_many(ready: Sequence[PreparedMessage]) -> list[Message | Exc
             [(p.message, p.recipients, p.parts) for p in ready], "message", key_field="qid"
         )
     except Exception as exc:  # noqa: BLE001 - nothing of the batch is committed (or unknown)
-        log.warning(
-            "a group commit of %d messages failed (%s); storing them one by one", len(ready), exc
+        log.log(
+            logging.DEBUG if _unavailable(exc) else logging.WARNING,
+            "a group commit of %d messages failed (%s); storing them one by one",
+            len(ready),
+            exc,
         )
         # Whatever failed, the statement may have committed before it (a lost
         # connection, or an error after the INSERT returned): look the queue ids
@@ -373,7 +378,9 @@ def _try_one(prepared: PreparedMessage) -> Message | Exception:
     try:
         return _insert_one(prepared)
     except Exception as exc:  # noqa: BLE001 - handed to this message's session (451)
-        log.warning("%s: could not be stored: %s", prepared.message.qid, exc)
+        # The session answers 451 and logs it; a database that is away is not news here.
+        level = logging.DEBUG if _unavailable(exc) else logging.WARNING
+        log.log(level, "%s: could not be stored: %s", prepared.message.qid, exc)
         _close_quietly()  # a broken connection is not reused by the next message
         return exc
 
@@ -386,10 +393,18 @@ def _already_stored(messages: list[Message]) -> dict[str, Message]:
     try:
         rows = Message.objects.filter(qid__in=list(by_qid)).defer("data")
         return {m.qid: m for m in rows if _same_message(m, by_qid[m.qid])}
-    except Exception:  # noqa: BLE001 - then each is retried, which finds its own qid
-        log.warning("could not look up the messages of a lost batch", exc_info=True)
+    except Exception as exc:  # noqa: BLE001 - then each is retried, which finds its own qid
+        if _unavailable(exc):
+            log.debug("could not look up the messages of a lost batch: %s", exc)
+        else:
+            log.warning("could not look up the messages of a lost batch", exc_info=True)
         _close_quietly()
         return {}
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """The database is away (refused, lost, a read-only standby): not a bug to trace."""
+    return isinstance(exc, (OperationalError, InterfaceError))
 
 
 def _close_quietly() -> None:

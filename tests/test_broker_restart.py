@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from queues.models import Message, MessageState
 from tests.support import processes as procs
 from tests.support.sinks import find_free_port
 from tests.test_system import body
@@ -127,3 +128,61 @@ def test_the_workers_survive_a_redis_restart_and_mail_flows_again(
         assert proc.popen.poll() is None, f"{proc.name} died:\n" + "\n".join(proc.lines[-40:])
     for proc in (control, delivery):
         assert not [line for line in proc.lines if "Unrecoverable error" in line]
+
+
+def _sentinel(folder: Path, master_port: int) -> tuple[subprocess.Popen, int]:
+    """A Redis Sentinel (``redis-server --sentinel``) watching the master on ``master_port``."""
+    port = find_free_port(["127.0.0.1"])
+    conf = folder / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+        f"sentinel monitor relaymaster 127.0.0.1 {master_port} 1\n"
+    )
+    proc = subprocess.Popen(
+        [REDIS_SERVER, str(conf), "--sentinel"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if client.execute_command("SENTINEL", "get-master-addr-by-name", "relaymaster"):
+                return proc, port
+        except redis.ConnectionError:
+            assert proc.poll() is None, "redis-server --sentinel exited"
+        assert time.monotonic() < deadline, "the sentinel does not know the master"
+        time.sleep(0.05)
+
+
+def test_a_sentinel_broker_url_carries_the_doorbells(processes, private_redis, tmp_path):
+    """CELERY_BROKER_URL=sentinel://… with MAILRELAY_BROKER_SENTINEL_MASTER: ingress
+    rings through the master the sentinel names and a worker routes the message."""
+    sentinel, port = _sentinel(tmp_path, private_redis.port)
+    try:
+        env = {
+            "CELERY_BROKER_URL": f"sentinel://127.0.0.1:{port}/0",
+            "MAILRELAY_BROKER_SENTINEL_MASTER": "relaymaster",
+        }
+        processes.control_worker(**env)
+        smtp = procs.Proc(
+            "runsmtp",
+            [sys.executable, "manage.py", "runsmtp"],
+            procs.test_env(MAILRELAY_SMTP_LISTEN="127.0.0.1:0", **env),
+        )
+        processes.procs.append(smtp)
+        smtp.wait_for("smtp: listening on 127.0.0.1:")
+        smtp_port = next(
+            int(m.group(1))
+            for line in smtp.lines
+            if (m := re.search(r"listening on 127\.0\.0\.1:(\d+)$", line))
+        )
+        _send(smtp_port, 1)
+        deadline = time.monotonic() + 30
+        # No beat runs: only the doorbell, through the sentinel's master, starts routing.
+        while Message.objects.get().state == MessageState.SUBMISSION:
+            assert time.monotonic() < deadline, "\n".join(smtp.lines[-20:])
+            time.sleep(0.1)
+    finally:
+        sentinel.kill()
+        sentinel.wait(10)

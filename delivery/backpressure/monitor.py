@@ -42,6 +42,7 @@ from delivery.backpressure.samplers import (
     Sampler,
     default_samplers,
 )
+from delivery.outage import OUTAGE, is_unavailable
 from queues.models import EventLevel
 
 log = logging.getLogger(__name__)
@@ -260,26 +261,44 @@ class Monitor:
             store.pressure_save(self.node, snapshot, transitions)
             for text, data in notices:
                 store.pressure_event(self.node, text, data, EventLevel.WARNING)
-        except Exception:
+        except Exception as exc:
             # The next interval stores the state again; a lost event is logged above.
-            log.warning("back pressure: storing the readings failed", exc_info=True)
+            _failed("storing the readings", exc)
             connections["default"].close()
+        else:
+            OUTAGE.recovered()
 
     def _prune(self) -> None:
         try:
             store.pressure_prune()
-        except Exception:
-            log.warning("back pressure: pruning old nodes failed", exc_info=True)
+        except Exception as exc:
+            _failed("pruning old nodes", exc)
             connections["default"].close()
 
     def _forget(self) -> None:
-        try:
-            store.pressure_forget(self.node)
-        except Exception:
-            log.warning("back pressure: removing this node's rows failed", exc_info=True)
+        for attempt in (1, 2):
+            try:
+                store.pressure_forget(self.node)
+                return
+            except Exception as exc:
+                connections["default"].close()
+                # A connection broken by an outage since the last interval: once more.
+                if attempt == 2 or not is_unavailable(exc):
+                    _failed("removing this node's rows", exc)
+                    return
 
     def _close(self) -> None:
         for sampler in self.samplers.values():
             if isinstance(sampler, BatchPointsSampler):
                 sampler.close()
         connections.close_all()
+
+
+def _failed(what: str, exc: Exception) -> None:
+    """A database that is away is one outage (logged once, delivery.outage), not a
+    traceback every interval; anything else is traced."""
+    if is_unavailable(exc):
+        OUTAGE.failed(exc)
+        log.debug("back pressure: %s failed: %s", what, exc)
+    else:
+        log.warning("back pressure: %s failed", what, exc_info=exc)

@@ -46,6 +46,7 @@ from typing import TypeVar
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
+from delivery.outage import OUTAGE
 from queues import clock
 from queues.dberrors import is_outage
 
@@ -158,7 +159,9 @@ def while_connected(claim: Claim, work: Callable[[], T]) -> T:
     delay = 0.2
     while True:
         try:
-            return work()
+            result = work()
+            OUTAGE.recovered()
+            return result
         except (OperationalError, InterfaceError) as exc:
             if not is_outage(exc):
                 raise
@@ -166,7 +169,8 @@ def while_connected(claim: Claim, work: Callable[[], T]) -> T:
             claim.renew()  # keeps the claim across the outage, or finds it lost
             if not claim.held():
                 raise
-            log.warning("database unavailable (%s); trying again in %.1fs", exc, delay)
+            OUTAGE.failed(exc)  # logged once per outage
+            log.debug("database unavailable (%s); trying again in %.1fs", exc, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 

@@ -18,6 +18,7 @@ from delivery.qmgr.categorize import categorize_pending
 from delivery.qmgr.sweep import reclaim as reclaim_now
 from delivery.qmgr.sweep import sweep as sweep_now
 from delivery.smtp.deliver import deliver_link as deliver_link_now
+from delivery.outage import waits_for_database
 
 # A categorize task hands over to a fresh task after this long, so one
 # backlog cannot pin a worker process forever.
@@ -25,6 +26,7 @@ CATEGORIZE_SLICE_SECONDS = 30
 
 
 @shared_task(name="delivery.tasks.categorize")
+@waits_for_database
 def categorize() -> int:
     started = time.monotonic()
     total = 0
@@ -49,17 +51,21 @@ _batch_wait = time.sleep  # MAILRELAY_CATEGORIZER_BATCH_WAIT between batches (te
 
 
 @shared_task(name="delivery.tasks.deliver_link")
+@waits_for_database
 def deliver_link(link_id: int) -> int:
     return deliver_link_now(link_id)
 
 
+# The periodic tasks do not wait for the database: their next run comes anyway.
 @shared_task(name="delivery.tasks.sweep")
+@waits_for_database(wait=0)
 def sweep() -> dict:
     report = sweep_now()
     return {"links_rung": len(report.links_rung), "purged": report.purged}
 
 
 @shared_task(name="delivery.tasks.reclaim")
+@waits_for_database(wait=0)
 def reclaim() -> dict:
     """Take back the claims of dead owners and ring for their work (delivery.qmgr.ownership)."""
     report = reclaim_now()

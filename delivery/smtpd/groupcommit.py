@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from django.db import connection, connections
+from django.db import InterfaceError, OperationalError, connection, connections
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,14 @@ class GroupCommitter:
             if len(results) != len(batch):
                 raise RuntimeError(f"{len(results)} results for a batch of {len(batch)}")
         except BaseException as exc:  # noqa: BLE001 - every message of the batch fails (451)
-            log.exception("storing a batch of %d messages failed", len(batch))
+            # A database that is away is logged by each session's 451, not traced here.
+            away = isinstance(exc, (OperationalError, InterfaceError))
+            log.log(
+                logging.DEBUG if away else logging.ERROR,
+                "storing a batch of %d messages failed",
+                len(batch),
+                exc_info=not away,
+            )
             self._close_connection()
             for future, _e, _d in batch:
                 future.set_exception(exc)

@@ -66,6 +66,7 @@ from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.dbthreads import DatabaseExecutor
 from delivery.smtpd.doorbell import CoalescedBell
 from delivery.smtpd.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
+from delivery.outage import OUTAGE, first_line, is_unavailable
 from queues import counters
 from queues.accept import (
     IncomingEnvelope,
@@ -1115,9 +1116,16 @@ class RelayHandler:
             return replies.INTERNAL_ERROR
         try:
             qid = await counters.timed_accept(self.server.store(incoming, data))
-        except Exception:
-            log.exception("could not store a message from %s", smtp.client_ip)
+        except Exception as exc:
+            if not is_unavailable(exc):
+                log.exception("could not store a message from %s", smtp.client_ip)
+                return replies.STORE_FAILED
+            # The database is away (a failover): one line per 451, the outage
+            # itself once as it starts and once as it ends (delivery.outage).
+            OUTAGE.failed(exc)
+            log.warning("451 4.3.0 message from %s not stored: %s", smtp.client_ip, first_line(exc))
             return replies.STORE_FAILED
+        OUTAGE.recovered()
         log.info(
             "%s: from=<%s> nrcpt=%d size=%d client=%s",
             qid,
