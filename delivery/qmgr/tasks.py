@@ -13,12 +13,12 @@ import time
 from celery import shared_task
 from django.conf import settings
 
+from delivery.outage import waits_for_database
 from delivery.qmgr import bell
 from delivery.qmgr.categorize import categorize_pending
 from delivery.qmgr.sweep import reclaim as reclaim_now
 from delivery.qmgr.sweep import sweep as sweep_now
 from delivery.smtp.deliver import deliver_link as deliver_link_now
-from delivery.outage import waits_for_database
 
 # A categorize task hands over to a fresh task after this long, so one
 # backlog cannot pin a worker process forever.

@@ -60,13 +60,13 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 
 from delivery.backpressure.samplers import InFlight
+from delivery.outage import OUTAGE, first_line, is_unavailable
 from delivery.smtpd import authlimit, policy, replies
 from delivery.smtpd.aiosmtpd_adapter import AiosmtpdSession
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.dbthreads import DatabaseExecutor
 from delivery.smtpd.doorbell import CoalescedBell
 from delivery.smtpd.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
-from delivery.outage import OUTAGE, first_line, is_unavailable
 from queues import counters
 from queues.accept import (
     IncomingEnvelope,
