@@ -65,6 +65,8 @@ COUNT_LOCK = 0x6D72_636F_756E74  # "mrcount"
 
 
 def _count_lock() -> None:
+    if connection.vendor != "postgresql":
+        return  # SQLite serialises writers: its transactions are IMMEDIATE
     with connection.cursor() as cur:
         cur.execute("SELECT pg_advisory_xact_lock(%s)", [COUNT_LOCK])
 
