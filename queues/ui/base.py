@@ -26,14 +26,12 @@ from django.shortcuts import render
 from django.utils.http import url_has_allowed_host_and_scheme
 
 from queues import clock
-from queues.filters import (
-    MAX_BIGINT,
-)
 from queues.models import (
     DeliveryType,
     LinkState,
     Queue,
 )
+from queues.paging import MAX_BIGINT
 from queues.permissions import can_act, can_read_content, can_view, user_role
 from queues.services.actions import (
     ActionConflict,

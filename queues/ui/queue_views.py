@@ -17,18 +17,13 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from queues import clock
-from queues.filters import (
-    FilterError,
-    QueueFilter,
-    QueueStatus,
-    queue_status,
-    queues_page,
-)
+from queues.filters import QueueFilter, QueueStatus, queue_status, queues_page
 from queues.holdings import next_attempts
 from queues.models import (
     DeliveryType,
     Queue,
 )
+from queues.paging import FilterError
 from queues.services.actions import (
     ActionConflict,
     Via,

@@ -36,7 +36,6 @@ from queues import clock
 from queues.filters import (
     MESSAGE_FILTERS,
     AuditFilter,
-    FilterError,
     MessageFilter,
     MessageStatus,
     audit_page,
@@ -45,7 +44,6 @@ from queues.filters import (
     message_status,
     messages_page,
     messages_prefetch,
-    parse_limit,
 )
 from queues.models import (
     Attempt,
@@ -56,6 +54,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
+from queues.paging import FilterError, parse_limit
 from queues.permissions import can_read_content
 from queues.services.actions import (
     ActionConflict,
