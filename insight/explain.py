@@ -9,7 +9,7 @@
 * the retry rule that applies — its line as written in the operator's file,
   or the rule compiled from the Exchange settings (``delivery.smtp.retry``);
 * the last reply, and the projected schedule: the next tries, *computed by
-  the rule engine* (``delivery.smtp.retryrules.projected_schedule``), when the
+  the rule engine* (``delivery.smtp.retryschedule.projected_schedule``), when the
   delay DSN goes, when the rule's final cutoff passes, when it expires;
 * what an operator can do about it (retry now, resubmit, resume).
 
@@ -28,7 +28,8 @@ from django.conf import settings
 from django.db.models import Q
 
 from delivery.smtp import retry
-from delivery.smtp.retryrules import Rule, parse_rules, projected_schedule
+from delivery.smtp.retryrules import Rule, parse_rules
+from delivery.smtp.retryschedule import projected_schedule
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     Attempt,

@@ -20,7 +20,8 @@ from delivery.backpressure.engine import Action, GiB, Level, Resource
 from delivery.backpressure.monitor import Monitor
 from delivery.backpressure.samplers import ManualSampler
 from delivery.smtpd import server as inbound_server
-from delivery.smtpd.server import InboundConfig, InboundServer
+from delivery.smtpd.config import InboundConfig
+from delivery.smtpd.server import InboundServer
 from queues.models import Event, EventLevel, Message, MessageState
 from tests.support.ingress import Ingress, RawClient
 from tests.support.pipeline import drain

@@ -12,7 +12,7 @@ from django.core.management import call_command
 
 from delivery.models import ResourcePressure
 from delivery.smtp import retry
-from delivery.smtp.retryrules import projected_schedule
+from delivery.smtp.retryschedule import projected_schedule
 from insight.explain import explain_message
 from queues import clock
 from queues.models import (

@@ -19,7 +19,8 @@ import time
 import pytest
 from django.db import OperationalError, connection
 
-from delivery.smtpd import server
+from delivery.smtpd import policy, server
+from delivery.smtpd import session as smtpd_session
 from queues import accept, bulk
 from queues.accept import (
     IncomingEnvelope,
@@ -99,7 +100,7 @@ def test_past_the_total_connection_limit_everyone_gets_421(start_ingress):
 
 
 def test_ipv6_clients_are_counted_per_64():
-    key = server.client_key
+    key = policy.client_key
     assert key(ipaddress.ip_address("2001:db8:1:2::1")) == key(
         ipaddress.ip_address("2001:db8:1:2:ffff::9")
     )
@@ -190,9 +191,9 @@ def test_the_session_limit_waits_for_the_reply_to_a_message_being_committed(
         original(session)
         expired.set()
 
-    original = server.InboundSMTP._session_expired
+    original = smtpd_session.InboundSMTP._session_expired
     monkeypatch.setattr(server, "prepared_accept", slow_accept)  # the commit
-    monkeypatch.setattr(server.InboundSMTP, "_session_expired", session_expired)
+    monkeypatch.setattr(smtpd_session.InboundSMTP, "_session_expired", session_expired)
     ingress = start_ingress(max_session_time=1.0)
     with ingress.raw() as client:
         client.command("EHLO client.test")

@@ -10,6 +10,7 @@ import pytest
 
 from delivery.qmgr import bell
 from delivery.smtpd import server
+from delivery.smtpd import session as smtpd_session
 from queues.accept import prepared_accept
 from queues.models import Message
 from tests.support.sinks import make_certificate
@@ -230,9 +231,9 @@ def test_it_answers_a_message_being_committed_before_it_stops(ingress, monkeypat
         original_shutdown(session)
         stopping.set()
 
-    original_shutdown = server.InboundSMTP.shutdown
+    original_shutdown = smtpd_session.InboundSMTP.shutdown
     monkeypatch.setattr(server, "prepared_accept", slow_accept)  # the commit
-    monkeypatch.setattr(server.InboundSMTP, "shutdown", shutdown)
+    monkeypatch.setattr(smtpd_session.InboundSMTP, "shutdown", shutdown)
     with ingress.raw() as client:
         client.command("EHLO client.test")
         client.send(b"MAIL FROM:<a@example.org>\r\nRCPT TO:<b@example.net>\r\nDATA\r\n")

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from delivery.smtp import retry
-from delivery.smtp.retryrules import RetryData
+from delivery.smtp.retryschedule import RetryData
 from delivery.smtp.types import HostFailure, RecipientResult
 
 NOW = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)

@@ -18,7 +18,7 @@ import pytest
 from django.db import OperationalError, connection, transaction
 
 from delivery.qmgr import ownership
-from delivery.smtp.retryrules import MAX_KEY_BYTES, address_key, bounded_key
+from delivery.smtp.retryschedule import MAX_KEY_BYTES, address_key, bounded_key
 from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.dberrors import is_outage

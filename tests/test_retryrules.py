@@ -17,19 +17,21 @@ from django.test import override_settings
 
 from delivery.smtp.retryrules import (
     DEFAULT_RULES_TEXT,
-    RetryData,
     RetryOptions,
     RetryRuleError,
+    load_rules,
+    load_rules_or_default,
+    parse_error_name,
+    parse_rules,
+)
+from delivery.smtp.retryschedule import (
+    RetryData,
     TryDecision,
     address_key,
     combine_decisions,
     host_key,
-    load_rules,
-    load_rules_or_default,
     may_try,
     next_retry,
-    parse_error_name,
-    parse_rules,
     projected_schedule,
     record_failure,
 )

@@ -12,7 +12,8 @@ from django.core.exceptions import ImproperlyConfigured
 from delivery.route.routing import validate_routing_settings
 from delivery.smtp import auth as smtp_auth
 from delivery.smtp.auth import Credentials
-from delivery.smtp.client import IMPLICIT_TLS_PORT, ClientConfig, deliver
+from delivery.smtp.client import deliver
+from delivery.smtp.connection import IMPLICIT_TLS_PORT, ClientConfig
 from delivery.smtp.tls import plan, requirement
 from delivery.smtp.types import BatchResult, NextHop
 from tests.test_smtp_client import A, Target, config, message

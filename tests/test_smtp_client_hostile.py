@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from delivery.smtp.client import (
+from delivery.smtp.client import deliver
+from delivery.smtp.connection import (
     MAX_REPLY_BYTES,
     MAX_REPLY_LINES,
     READ_LIMIT,
     ClientConfig,
-    _Connection,
-    _ProtocolError,
-    deliver,
+    Connection,
+    ProtocolError,
 )
 from delivery.smtp.types import BatchResult, OutboundMessage
 from tests.test_smtp_client import A, B, config, message, target
@@ -235,7 +235,7 @@ def _reply_of(data: bytes) -> list[str]:
         reader = asyncio.StreamReader(limit=READ_LIMIT)
         reader.feed_data(data)
         reader.feed_eof()
-        conn = _Connection(reader, None, target(A, 25), config())  # type: ignore[arg-type]
+        conn = Connection(reader, None, target(A, 25), config())  # type: ignore[arg-type]
         return (await conn.reply("EHLO")).lines
 
     return asyncio.run(read())
@@ -244,13 +244,13 @@ def _reply_of(data: bytes) -> list[str]:
 def test_reply_caps_are_exact():
     line = b"250-" + b"k" * 10 + b"\r\n"
     assert len(_reply_of(line * (MAX_REPLY_LINES - 1) + b"250 end\r\n")) == MAX_REPLY_LINES
-    with pytest.raises(_ProtocolError, match=f"longer than {MAX_REPLY_LINES} lines"):
+    with pytest.raises(ProtocolError, match=f"longer than {MAX_REPLY_LINES} lines"):
         _reply_of(line * MAX_REPLY_LINES + b"250 end\r\n")
     # bytes: line ends included
     last = b"250 " + b"e" * (MAX_REPLY_BYTES - 6) + b"\r\n"
     assert len(last) == MAX_REPLY_BYTES
     assert _reply_of(last) == [last[4:-2].decode()]
-    with pytest.raises(_ProtocolError, match=f"longer than {MAX_REPLY_BYTES} bytes"):
+    with pytest.raises(ProtocolError, match=f"longer than {MAX_REPLY_BYTES} bytes"):
         _reply_of(b"250-x\r\n" + last)
 
 

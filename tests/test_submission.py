@@ -19,12 +19,9 @@ from types import SimpleNamespace
 import pytest
 
 from delivery.smtpd.authlimit import AuthFailures
-from delivery.smtpd.server import (
-    InboundServer,
-    TlsCertificate,
-    plain_credentials,
-    protocol_keyword,
-)
+from delivery.smtpd.config import TlsCertificate
+from delivery.smtpd.server import InboundServer
+from delivery.smtpd.session import plain_credentials, protocol_keyword
 from queues.models import Event, Message
 from queues.services import accounts
 from tests.support import processes

@@ -8,10 +8,13 @@ import socket
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import QuerySet
 
 from delivery.qmgr import bell
 from delivery.qmgr.ownership import Claim, while_connected
@@ -101,6 +104,55 @@ def _route_all(
     return placements
 
 
+def _unroutable(
+    domain: str,
+    placement: _Placement,
+    rows: QuerySet[Recipient],
+    now: datetime,
+    special: Callable[[str], Queue],
+) -> tuple[list[int], list[Attempt]]:
+    """A domain with no route: its recipients failed (to the dead letters) or parked
+    in Unreachable until the categorizer's retry; returns the failed recipients'
+    ids and one ROUTE attempt per recipient."""
+    error = placement.error
+    assert error is not None
+    pairs = list(rows.values_list("id", "message_id"))
+    failed_ids: list[int] = []
+    if error.permanent:
+        failed_ids = [rid for rid, _ in pairs]
+        rows.fail(
+            now,
+            enhanced=error.enhanced,
+            text=error.text,
+            queue_id=special(DeliveryType.DEAD_LETTER).pk,
+            attempted=True,
+        )
+    else:
+        rows.park_unreachable(
+            special(DeliveryType.UNREACHABLE).pk,
+            now,
+            retry.categorizer_retry_at(now),
+            enhanced=error.enhanced,
+            text=error.text,
+        )
+    attempts = [
+        Attempt(
+            recipient_id=rid,
+            message_id=mid,
+            started_at=now,
+            host=domain,
+            phase=AttemptPhase.ROUTE,
+            code=None,
+            enhanced=error.enhanced,
+            # No peer replied: no reply code; the enhanced code is its own field.
+            text=error.text,
+            outcome=AttemptOutcome.FAILED if error.permanent else AttemptOutcome.DEFERRED,
+        )
+        for rid, mid in pairs
+    ]
+    return failed_ids, attempts
+
+
 def _apply(
     placements: dict[str, _Placement],
     message_ids: list[int],
@@ -141,41 +193,9 @@ def _apply(
             if not queue.suspended and queue.link_id:
                 links.add(queue.link_id)
             continue
-        error = placement.error
-        assert error is not None
-        pairs = list(rows.values_list("id", "message_id"))
-        if error.permanent:
-            failed_ids.extend(rid for rid, _ in pairs)
-            rows.fail(
-                now,
-                enhanced=error.enhanced,
-                text=error.text,
-                queue_id=special(DeliveryType.DEAD_LETTER).pk,
-                attempted=True,
-            )
-        else:
-            rows.park_unreachable(
-                special(DeliveryType.UNREACHABLE).pk,
-                now,
-                retry.categorizer_retry_at(now),
-                enhanced=error.enhanced,
-                text=error.text,
-            )
-        for rid, mid in pairs:
-            failed.append(
-                Attempt(
-                    recipient_id=rid,
-                    message_id=mid,
-                    started_at=now,
-                    host=domain,
-                    phase=AttemptPhase.ROUTE,
-                    code=None,
-                    enhanced=error.enhanced,
-                    # No peer replied: no reply code; the enhanced code is its own field.
-                    text=error.text,
-                    outcome=AttemptOutcome.FAILED if error.permanent else AttemptOutcome.DEFERRED,
-                )
-            )
+        failed_now, attempts = _unroutable(domain, placement, rows, now, special)
+        failed_ids.extend(failed_now)
+        failed.extend(attempts)
     Recipient.objects.place_many(routed, now)
     tracking.placed(placements, now, facts)  # received / routed rows, one INSERT per batch
     if failed:

@@ -33,7 +33,7 @@ from delivery.shaping import adaptive, policy
 from delivery.shaping import limiter as limiter_module
 from delivery.shaping.limiter import Grant, Limiter, limiter, warn_unavailable
 from delivery.shaping.policy import Entry, Policy
-from delivery.smtp.client import ClientConfig
+from delivery.smtp.connection import ClientConfig
 from delivery.smtp.types import BatchResult, OutboundMessage
 from queues import clock
 from queues.models import Link, Queue

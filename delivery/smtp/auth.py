@@ -14,7 +14,7 @@ names themselves. The password is everything after the first colon (it may
 contain colons, not spaces). Credentials are never sent without TLS unless
 the line says ``allow-cleartext``, nor over TLS whose certificate was not
 verified (policy ``may``/``encrypt``) unless the line says ``allow-cleartext``
-or ``MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS`` is set (``smtp_client``). With
+or ``MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS`` is set (``delivery.smtp.connection``). With
 ``MAILRELAY_SMTP_AUTH_FILE`` (a mounted secret) the setting's value is the
 file's content itself.
 """

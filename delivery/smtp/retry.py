@@ -32,20 +32,16 @@ from typing import Protocol, TypeVar
 
 from django.conf import settings
 
-from delivery.smtp.retryrules import (
+from delivery.smtp.retryrules import RetryOptions, RetryRules, Rule, load_rules, parse_rules
+from delivery.smtp.retryschedule import (
     NextRetry,
     RetryData,
-    RetryOptions,
-    RetryRules,
-    Rule,
     TryDecision,
     address_key,
     combine_decisions,
     host_key,
-    load_rules,
     may_try,
     next_retry,
-    parse_rules,
     record_failure,
 )
 from delivery.smtp.types import HostFailure, RecipientResult

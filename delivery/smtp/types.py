@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,17 @@ class BatchResult:
     # True when ``still_owner()`` said the round lost its recipients: the
     # messages not started then have no result at all (another owner has them).
     abandoned: bool = False
+
+
+class Peer(Protocol):
+    """Where to connect: one SMTP server's name, address and port.
+
+    ``delivery.route.routing.Target`` provides it (and tests' own small classes).
+    """
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def ip(self) -> str: ...
+    @property
+    def port(self) -> int: ...

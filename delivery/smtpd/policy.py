@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from delivery.smtpd import replies
 from queues import domains
+from queues.headers import header_end, header_shape_refusal
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -52,6 +53,8 @@ _UTF8_ADDR_UNICODE = re.compile(
 )
 _ADDR_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
 _NOTIFY_VALUES = ("SUCCESS", "FAILURE", "DELAY")
+MAX_RECEIVED_HEADERS = 100  # more is a routing loop (RFC 5321 6.3)
+_RECEIVED = re.compile(rb"^received[ \t]*:", re.IGNORECASE | re.MULTILINE)
 
 # A domain without an IDNA form. RFC 3463: X.1.3 is a bad destination
 # mailbox address syntax; for the sender X.1.7 (bad sender's mailbox address
@@ -453,6 +456,21 @@ def is_trusted(ip: IPAddress | None, networks: Iterable[IPNetwork]) -> bool:
     return any(ip.version == net.version and ip in net for net in networks)
 
 
+def client_key(ip: IPAddress | None) -> str:
+    """What the per-client connection limit counts: an IPv4 address, an IPv6 /64.
+
+    One IPv6 host usually holds a whole /64, so counting addresses would not
+    limit it at all.
+    """
+    if ip is None:
+        return "unknown"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
 def recipient_refusal(
     recipient: Mailbox, *, trusted: bool, accepted_domains: frozenset[str]
 ) -> str | None:
@@ -468,3 +486,29 @@ def recipient_refusal(
     if trusted or recipient.domain_key in accepted_domains:
         return None
     return replies.RELAY_DENIED
+
+
+# ------------------------------------------- the message data (DATA), before it is stored
+
+
+def has_bare_line_ending(data: bytes | bytearray) -> bool:
+    """Any CR or LF that is not part of a CRLF pair (SMTP smuggling, CVE-2023-51764)."""
+    crlf = data.count(b"\r\n")
+    return data.count(b"\r") != crlf or data.count(b"\n") != crlf
+
+
+def received_count(data: bytes | bytearray) -> int:
+    # Cheaper than queues.headers.inspect_headers, which message_accept runs anyway;
+    # counted in place (no copy of the header block, which may be the whole message).
+    return sum(1 for _ in _RECEIVED.finditer(data, 0, header_end(data)))
+
+
+def header_limit_refusal(data: bytes | bytearray, max_fields: int, max_size: int) -> str | None:
+    """552 5.3.4 for a header of more fields, or a longer field, than configured:
+    what every later step (parsing, DKIM signing) costs is bounded by them."""
+    excess = header_shape_refusal(data, max_fields, max_size)
+    if excess is None:
+        return None
+    kind, limit = excess
+    reply = replies.TOO_MANY_HEADER_FIELDS if kind == "fields" else replies.HEADER_FIELD_TOO_LONG
+    return reply.format(limit=limit)

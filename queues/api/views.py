@@ -46,21 +46,18 @@ from queues.filters import (
     MESSAGE_FILTERS,
     QUEUE_FILTERS,
     AuditFilter,
-    FilterError,
-    FilterForbidden,
     MessageFilter,
     MessageStatus,
-    Page,
     QueueFilter,
     audit_page,
     links_page,
     messages_page,
     messages_prefetch,
-    parse_limit,
     queues_page,
 )
 from queues.holdings import next_attempts
 from queues.models import AuditEntry, Link, Message, Queue
+from queues.paging import FilterError, FilterForbidden, Page, parse_limit
 from queues.permissions import (
     OPERATOR,
     CanReadContent,

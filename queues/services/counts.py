@@ -178,6 +178,45 @@ def queues_recount(now: datetime) -> None:
         _recount(now)
 
 
+def _since(
+    previous: QueueSample | None,
+    tallies: dict[int, _Tally],
+    attempt_mark: int,
+    message_mark: int,
+    now: datetime,
+) -> tuple[float, int, dict[int, int]]:
+    """What happened since the previous recount: its age in seconds, the messages
+    that arrived, each queue's depth then; each tally gets its queue's delivered
+    and failed attempts. Nothing (0, 0, {}) at the first recount."""
+    if previous is None:
+        return 0.0, 0, {}
+    seconds = max((now - previous.sampled_at).total_seconds(), 0.0)
+    # The depth each queue had at the previous recount (a queue without a
+    # sample then held nothing): the read path's refreshes do not move it.
+    before = dict(
+        QueueSample.objects.filter(sampled_at=previous.sampled_at, queue__isnull=False).values_list(
+            "queue_id", "depth"
+        )
+    )
+    outcomes = (
+        Attempt.objects.filter(id__gt=previous.attempt_mark, id__lte=attempt_mark)
+        .filter(queue__isnull=False)
+        .values("queue_id")
+        .annotate(
+            delivered=Count("id", filter=Q(outcome=AttemptOutcome.DELIVERED)),
+            failed=Count("id", filter=Q(outcome=AttemptOutcome.FAILED)),
+        )
+        .order_by()
+    )
+    for row in outcomes:
+        tally = tallies[row["queue_id"]]
+        tally.delivered, tally.failed = row["delivered"], row["failed"]
+    arrived_total = Message.objects.filter(
+        id__gt=previous.message_mark, id__lte=message_mark
+    ).count()
+    return seconds, arrived_total, before
+
+
 def _recount(now: datetime) -> None:
     submission = special_queue(DeliveryType.SUBMISSION, now)
     special_queue(DeliveryType.DEAD_LETTER, now)  # shown, and counted, from the start
@@ -188,34 +227,7 @@ def _recount(now: datetime) -> None:
     previous = QueueSample.objects.filter(queue__isnull=True).order_by("-sampled_at", "-id").first()
     attempt_mark = Attempt.objects.aggregate(m=Max("id"))["m"] or 0
     message_mark = Message.objects.aggregate(m=Max("id"))["m"] or 0
-    seconds = 0.0
-    arrived_total = 0
-    before: dict[int, int] = {}
-    if previous is not None:
-        seconds = max((now - previous.sampled_at).total_seconds(), 0.0)
-        # The depth each queue had at the previous recount (a queue without a
-        # sample then held nothing): the read path's refreshes do not move it.
-        before = dict(
-            QueueSample.objects.filter(
-                sampled_at=previous.sampled_at, queue__isnull=False
-            ).values_list("queue_id", "depth")
-        )
-        outcomes = (
-            Attempt.objects.filter(id__gt=previous.attempt_mark, id__lte=attempt_mark)
-            .filter(queue__isnull=False)
-            .values("queue_id")
-            .annotate(
-                delivered=Count("id", filter=Q(outcome=AttemptOutcome.DELIVERED)),
-                failed=Count("id", filter=Q(outcome=AttemptOutcome.FAILED)),
-            )
-            .order_by()
-        )
-        for row in outcomes:
-            tally = tallies[row["queue_id"]]
-            tally.delivered, tally.failed = row["delivered"], row["failed"]
-        arrived_total = Message.objects.filter(
-            id__gt=previous.message_mark, id__lte=message_mark
-        ).count()
+    seconds, arrived_total, before = _since(previous, tallies, attempt_mark, message_mark, now)
 
     queues = list(Queue.objects.all())
     changed: list[Queue] = []

@@ -20,7 +20,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from queues.permissions import ADMIN, has_role
 from queues.services import accounts
-from queues.ui.views import _page
+from queues.ui.base import _page
 
 
 def admin_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:

@@ -22,8 +22,8 @@ from queues import clock
 from queues.models import Event
 from queues.services import dkim_keys
 from queues.ui.accounts import admin_required
+from queues.ui.base import _page, viewer_required
 from queues.ui.display import relative_text
-from queues.ui.views import _page, viewer_required
 
 HISTORY_SHOWN = 30  # the newest intervals of a resource's history, one cell each
 RECENT_CHANGES = 20  # the newest level changes (events) of every node

@@ -4,7 +4,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from queues.login import ThrottledLoginView
-from queues.ui import accounts, system, views
+from queues.ui import accounts, queue_views, system, views
 
 app_name = "ui"
 
@@ -13,11 +13,11 @@ urlpatterns = [
     path("accounts/login/", ThrottledLoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(next_page="ui:login"), name="logout"),
     path("", views.home, name="home"),
-    path("queues/", views.queue_list, name="queues"),
-    path("queues/qshape/", views.qshape_view, name="qshape"),
-    path("queues/selected/", views.queues_bulk, name="queues_bulk"),
-    path("queues/by-filter/", views.queues_confirm, name="queues_confirm"),
-    path("queues/<int:pk>/<str:action>/", views.queue_action, name="queue_action"),
+    path("queues/", queue_views.queue_list, name="queues"),
+    path("queues/qshape/", queue_views.qshape_view, name="qshape"),
+    path("queues/selected/", queue_views.queues_bulk, name="queues_bulk"),
+    path("queues/by-filter/", queue_views.queues_confirm, name="queues_confirm"),
+    path("queues/<int:pk>/<str:action>/", queue_views.queue_action, name="queue_action"),
     path("messages/", views.message_list, name="messages"),
     path("messages/selected/", views.messages_bulk, name="messages_bulk"),
     path("messages/by-filter/", views.messages_confirm, name="messages_confirm"),

@@ -1,5 +1,7 @@
 """Queue Viewer pages: thin views over queues.filters (reading), queues.services
-(acting) and queues.permissions (who may do what).
+(acting) and queues.permissions (who may do what). Here the message pages,
+deferrals, audit and live; the queue pages are ``queue_views``, what every
+page shares (access, the page frame, the action helpers) ``base``.
 
 Reading: every list is one indexed query paged by keyset (queues.filters);
 the numbers shown for queues are the ones the sweep keeps on the queue rows
@@ -13,14 +15,9 @@ no message content and a 403 on any action.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import wraps
 from typing import Any
 
 from django.contrib import messages as flash
-from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Q, Sum
 from django.http import (
     FileResponse,
     HttpRequest,
@@ -28,46 +25,37 @@ from django.http import (
     HttpResponseBadRequest,
     HttpResponseRedirect,
     JsonResponse,
-    QueryDict,
     StreamingHttpResponse,
 )
-from django.shortcuts import get_object_or_404, redirect, render
+from django.shortcuts import get_object_or_404, redirect
 from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from queues import clock
 from queues.filters import (
-    MAX_BIGINT,
     MESSAGE_FILTERS,
     AuditFilter,
-    FilterError,
     MessageFilter,
     MessageStatus,
-    QueueFilter,
-    QueueStatus,
     audit_page,
     message_body_preview,
     message_headers,
     message_status,
     messages_page,
     messages_prefetch,
-    parse_limit,
-    queue_status,
-    queues_page,
 )
-from queues.holdings import next_attempts
 from queues.models import (
     Attempt,
     DeliveryType,
     Event,
-    LinkState,
     Message,
     Queue,
     Recipient,
     RecipientState,
 )
-from queues.permissions import can_act, can_read_content, can_view, user_role
+from queues.paging import FilterError, parse_limit
+from queues.permissions import can_read_content
 from queues.services.actions import (
     ActionConflict,
     ActionTooLarge,
@@ -76,23 +64,37 @@ from queues.services.actions import (
     message_export_pieces,
     message_export_size,
     messages_export_zip_file,
-    timed_notes,
 )
 from queues.services.counts import (
-    CountsAsOf,
     current_counts,
     error_groups,
-    qshape,
     queue_history,
 )
-from queues.services.preview_sample import age_words
-from queues.services.reroute import REROUTABLE
 from queues.services.timed import until_text
-from queues.spec import MESSAGE_ACTIONS, OPTION_HELP, QUEUE_ACTIONS, OperatorAction, actions_for
-from queues.ui.display import age_text, rate_text, relative_text, size_text, visible_text
-from queues.ui.forms import MessageFilterForm, QueueFilterForm
+from queues.spec import MESSAGE_ACTIONS, OperatorAction, actions_for
+from queues.ui.base import (
+    _action_options,
+    _back,
+    _bulk_result,
+    _conflict,
+    _ids,
+    _next_attempt,
+    _option_fields,
+    _page,
+    _query,
+    _sample_rows,
+    _totals,
+    _ui_action,
+    operator_required,
+    viewer_required,
+)
+from queues.ui.display import relative_text, size_text, visible_text
+from queues.ui.forms import MessageFilterForm
+from queues.ui.queue_views import (
+    _queue_live,
+    _queue_rows,
+)
 
-QUEUES_PER_PAGE = 100
 MESSAGES_PER_PAGE = 50
 ATTEMPTS_SHOWN = 200
 EVENTS_SHOWN = 200
@@ -102,156 +104,11 @@ ERROR_STATES = (RecipientState.DEFERRED, RecipientState.FAILED, RecipientState.E
 # The actions the Queue Viewer offers (queues.spec declares them, with their
 # labels, past tenses and roles); export is the one bulk action of its own.
 UI_MESSAGE_ACTIONS = actions_for(MESSAGE_ACTIONS, "form")
-UI_QUEUE_ACTIONS = actions_for(QUEUE_ACTIONS, "form")
 EXPORT = "export"
 EXPORT_LABEL = "Export as zip"
 
 
-def _ui_action(request: HttpRequest, table: dict[str, OperatorAction], name: str):
-    """The action ``name`` of ``table`` if the user may run it; None when unknown."""
-    spec = table.get(name)
-    if spec is not None and not spec.allowed(request.user):
-        raise PermissionDenied(f"This needs the {spec.role} role.")
-    return spec
-
-
-# --- access -------------------------------------------------------------------------
-
-
-def viewer_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """Signed in (else the login page) and holding a role (else 403)."""
-
-    @login_required
-    @wraps(view)
-    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        if not can_view(request.user):
-            raise PermissionDenied(
-                "Your account has no Queue Viewer role (viewer, operator or admin)."
-            )
-        return view(request, *args, **kwargs)
-
-    return wrapper
-
-
-def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """Signed in and an operator (or admin): actions and message content; 403 for viewers."""
-
-    @login_required
-    @wraps(view)
-    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        if not can_act(request.user):
-            raise PermissionDenied("This needs the operator role.")
-        return view(request, *args, **kwargs)
-
-    return wrapper
-
-
-def _page(request: HttpRequest, template: str, section: str, **context: Any) -> HttpResponse:
-    if "totals" not in context:
-        now = clock.now()
-        context["totals"] = _totals(current_counts(now), now)
-    context.update(
-        section=section,
-        role=user_role(request.user) or "no role",
-        can_act=can_act(request.user),
-        can_read_content=can_read_content(request.user),
-    )
-    return render(request, template, context)
-
-
-def _back(request: HttpRequest, fallback: str) -> HttpResponseRedirect:
-    """Where an action returns to: the page that posted it (``next``), else ``fallback``."""
-    target = request.POST.get("next") or request.GET.get("next") or ""
-    if not url_has_allowed_host_and_scheme(
-        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
-    ):
-        target = fallback
-    return HttpResponseRedirect(target or fallback)
-
-
-def _ids(values: list[str]) -> list[int]:
-    out = []
-    for value in values:
-        try:
-            number = int(value)
-        except ValueError:
-            continue
-        if 0 < number <= MAX_BIGINT:  # a larger id is no row, and PostgreSQL errs on it
-            out.append(number)
-    return out
-
-
 # --- rows: what a table line shows --------------------------------------------------
-
-
-# What each special queue offers: its messages' actions, through the messages'
-# confirmation page (a preview listing the first messages) — never a silent 409.
-SPECIAL_OFFERS: dict[str, tuple[tuple[str, str], ...]] = {
-    DeliveryType.DEAD_LETTER: (("resubmit", "Resubmit all"), ("export", "Export")),
-    DeliveryType.POISON: (
-        ("resubmit", "Resubmit all"),
-        ("remove", "Remove"),
-        ("remove_ndr", "Remove with NDR"),
-        ("export", "Export"),
-    ),
-    DeliveryType.UNREACHABLE: (
-        ("resubmit", "Resubmit all"),
-        ("remove", "Remove"),
-        ("remove_ndr", "Remove with NDR"),
-        ("export", "Export"),
-    ),
-}
-# The queue actions a row offers by delivery type (the rest: all of them).
-ROW_ACTIONS: dict[str, frozenset[str]] = {
-    DeliveryType.SUBMISSION: frozenset(),
-    DeliveryType.DEAD_LETTER: frozenset(),
-    DeliveryType.POISON: frozenset(),
-    DeliveryType.UNREACHABLE: frozenset({"retry", "suspend", "resume"}),
-}
-
-
-def _queue_row(queue: Queue, now, next_at=None) -> dict[str, Any]:
-    status = queue_status(queue)
-    link = queue.link if queue.link_id else None
-    last_error = queue.last_error or (link.last_error if link is not None else "")
-    offers = ROW_ACTIONS.get(queue.delivery_type, frozenset(UI_QUEUE_ACTIONS))
-    return {
-        "queue": queue,
-        "link": link,
-        "status": status,
-        "status_label": QueueStatus(status).label,
-        # The earliest next attempt over its recipients, not before the link's retry.
-        "next_retry_at": next_at,
-        "next_retry": _next_attempt(next_at, now) if next_at is not None else "",
-        "last_error": last_error,
-        "oldest": age_text(queue.oldest_received_at, now),
-        "rate_in": rate_text(queue.incoming_rate),
-        "rate_out": rate_text(queue.outgoing_rate),
-        "actionable": bool(offers),
-        "offers": offers,
-        "special_offers": SPECIAL_OFFERS.get(queue.delivery_type, ()),
-        # "suspended until T by X", "re-routed to [10.0.0.9]:25 until T by X"
-        "notes": timed_notes(queue, now),
-        "reroutable": queue.delivery_type in REROUTABLE,
-    }
-
-
-def _queue_rows(queues: list[Queue], now) -> list[dict[str, Any]]:
-    nexts = next_attempts(queues)
-    return [_queue_row(q, now, nexts.get(q.pk)) for q in queues]
-
-
-def _queue_live(row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "count": row["queue"].message_count,
-        "status": row["status"],
-        "status_label": row["status_label"],
-        "next_retry": row["next_retry"],
-        "last_error": row["last_error"],
-        "oldest": row["oldest"],
-        "rate_in": row["rate_in"],
-        "rate_out": row["rate_out"],
-    }
 
 
 def _last_error(recipients: list[Recipient]) -> str:
@@ -284,10 +141,6 @@ def _message_row(message: Message, recipients: list[Recipient]) -> dict[str, Any
     }
 
 
-def _next_attempt(when, now) -> str:
-    return "due" if when <= now else relative_text(when, now)
-
-
 def _message_live(row: dict[str, Any]) -> dict[str, Any]:
     return {
         "status": row["status"],
@@ -297,67 +150,12 @@ def _message_live(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _totals(counts: CountsAsOf, now) -> dict[str, Any]:
-    """The header's numbers: the queue rows' counts (``current_counts`` first), one
-    aggregate. ``messages``: what the queues hold except the dead letters (a
-    message waiting for two destinations counts in each, as in their rows)."""
-    dead = Q(delivery_type=DeliveryType.DEAD_LETTER)
-    totals: dict[str, Any] = Queue.objects.aggregate(
-        messages=Sum("message_count", filter=~dead),
-        dead_letters=Sum("message_count", filter=dead),
-        queues=Count("id"),
-        suspended_queues=Count("id", filter=Q(suspended=True)),
-        retry_queues=Count("id", filter=Q(suspended=False, link__state=LinkState.RETRY)),
-    )
-    totals = {k: v or 0 for k, v in totals.items()}
-    # "" when the counts were made for this read; else "as of 12 s ago".
-    totals["as_of"] = counts.text(now)
-    return totals
-
-
 # --- pages --------------------------------------------------------------------------
 
 
 @viewer_required
 def home(request: HttpRequest) -> HttpResponse:
     return redirect("ui:queues")
-
-
-@viewer_required
-@require_GET
-def queue_list(request: HttpRequest) -> HttpResponse:
-    now = clock.now()
-    counts = current_counts(now)  # before any count is read: every number from one count
-    form = QueueFilterForm(request.GET or None)
-    rows: list[dict[str, Any]] = []
-    page = None
-    f = QueueFilter()
-    try:
-        f = QueueFilter.from_params(request.GET)
-        page = queues_page(f, request.GET.get("sort"), request.GET.get("cursor"), QUEUES_PER_PAGE)
-        rows = _queue_rows(page.items, now)
-    except FilterError as e:
-        flash.error(request, str(e))
-    return _page(
-        request,
-        "ui/queue_list.html",
-        "queues",
-        totals=_totals(counts, now),
-        form=form,
-        rows=rows,
-        page=page,
-        sort=request.GET.get("sort") or "-count",
-        queue_actions=[(name, a.label) for name, a in UI_QUEUE_ACTIONS.items()],
-        filtered=bool(f.params),
-    )
-
-
-@viewer_required
-@require_GET
-def qshape_view(request: HttpRequest) -> HttpResponse:
-    by = "domain" if request.GET.get("by") == "domain" else "queue"
-    shape = qshape(clock.now(), by=by, top=50)
-    return _page(request, "ui/qshape.html", "queues", shape=shape, by=by)
 
 
 @viewer_required
@@ -401,13 +199,6 @@ def message_list(request: HttpRequest) -> HttpResponse:
             (EXPORT, EXPORT_LABEL),
         ],
     )
-
-
-def _query(params: dict[str, str]) -> str:
-    q = QueryDict(mutable=True)
-    for k, v in params.items():
-        q[k] = v
-    return q.urlencode()
 
 
 @viewer_required
@@ -562,123 +353,6 @@ def live(request: HttpRequest) -> JsonResponse:
 
 
 # --- actions ------------------------------------------------------------------------
-
-
-def _conflict(request: HttpRequest, error: ActionConflict) -> None:
-    flash.error(request, f"Not done: {error.message}. Nothing was changed.")
-
-
-def _option_fields(spec: OperatorAction | None, given: dict[str, Any]) -> list[tuple[str, str]]:
-    """The options a confirmation page asks for: those the action takes, not given yet."""
-    if spec is None:
-        return []
-    return [(name, OPTION_HELP[name]) for name in spec.takes_in_bulk if name not in given]
-
-
-def _action_options(spec: OperatorAction, data, bulk: bool = False) -> dict[str, Any]:
-    """The options of the form (until, to, recipient, sender) this action takes."""
-    names = spec.takes_in_bulk if bulk else spec.params
-    return {name: data.get(name, "").strip() for name in names if data.get(name, "").strip()}
-
-
-@operator_required
-@require_POST
-def queue_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
-    spec = _ui_action(request, UI_QUEUE_ACTIONS, action)
-    if spec is None:
-        return HttpResponseBadRequest("unknown queue action")
-    queue = get_object_or_404(Queue, pk=pk)
-    try:
-        count = spec.run(queue, request.user, Via.UI, **_action_options(spec, request.POST))
-    except ActionConflict as e:
-        _conflict(request, e)
-    else:
-        flash.success(request, f"{spec.past} queue {queue.name} ({count} messages waiting).")
-    return _back(request, reverse("ui:queues"))
-
-
-@operator_required
-@require_POST
-def queues_bulk(request: HttpRequest) -> HttpResponse:
-    spec = _ui_action(request, UI_QUEUE_ACTIONS, request.POST.get("action", ""))
-    if spec is None:
-        return HttpResponseBadRequest("unknown queue action")
-    ids = _ids(request.POST.getlist("ids"))
-    if not ids:
-        flash.warning(request, "Select at least one queue first.")
-        return _back(request, reverse("ui:queues"))
-    options = _action_options(spec, request.POST, bulk=True)
-    try:
-        changed = spec.apply(
-            Queue.objects.filter(id__in=ids), request.user, Via.UI, ids=ids, **options
-        )
-    except ActionConflict as e:
-        _conflict(request, e)
-        return _back(request, reverse("ui:queues"))
-    _bulk_result(request, spec.label, changed, len(ids), "queues")
-    return _back(request, reverse("ui:queues"))
-
-
-@operator_required
-@require_http_methods(["GET", "POST"])
-def queues_confirm(request: HttpRequest) -> HttpResponse:
-    """A queue action on every queue a filter selects: count first, then confirm."""
-    params = request.POST if request.method == "POST" else request.GET
-    spec = _ui_action(request, UI_QUEUE_ACTIONS, params.get("action", ""))
-    if spec is None:
-        return HttpResponseBadRequest("unknown queue action")
-    try:
-        f = QueueFilter.from_params(params)
-    except FilterError as e:
-        flash.error(request, str(e))
-        return redirect("ui:queues")
-    qs = f.queryset()
-    options = _action_options(spec, params, bulk=True)
-    back = reverse("ui:queues") + "?" + _query(f.as_params())
-    try:
-        if request.method == "POST":
-            changed = spec.apply(qs, request.user, Via.UI, filter=f.as_params(), **options)
-            _bulk_result(request, spec.label, changed, None, "queues")
-            return HttpResponseRedirect(back)
-        preview = spec.dry_run(qs, partial=True, **options)  # the page asks for what is missing
-    except ActionConflict as e:
-        _conflict(request, e)
-        return HttpResponseRedirect(back)
-    return _page(
-        request,
-        "ui/confirm.html",
-        "queues",
-        kind="queues",
-        action=spec.name,
-        action_label=spec.label,
-        # the action's own selection: exactly the queues it will change
-        count=preview.count,
-        consequences=preview.lines("queues"),
-        sample=_sample_rows(preview),
-        options=options,
-        option_fields=_option_fields(spec, options),
-        params=f.as_params(),
-        cancel=reverse("ui:queues") + "?" + _query(f.as_params()),
-        post_url=reverse("ui:queues_confirm"),
-    )
-
-
-def _sample_rows(preview: Any) -> list[dict[str, Any]]:
-    """The preview's first messages, with their age in words, for confirm.html."""
-    return [dict(row, age=age_words(row["age_seconds"])) for row in preview.sample]
-
-
-def _bulk_result(
-    request: HttpRequest, label: str, changed: int, selected: int | None, noun: str
-) -> None:
-    of = f" of {selected} selected" if selected is not None else " matching"
-    if changed:
-        flash.success(request, f"{label}: {changed}{of} {noun} changed.")
-    else:
-        flash.warning(
-            request,
-            f"{label}: none{of} {noun} changed (the action makes no sense in their state).",
-        )
 
 
 @operator_required

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import trustme
 
-from delivery.smtpd.server import InboundConfig, InboundServer
+from delivery.smtpd.config import InboundConfig
+from delivery.smtpd.server import InboundServer
 
 
 class SMTPRefused(AssertionError):

@@ -25,11 +25,10 @@ from delivery.smtp.retryrules import (
     RetryRuleError,
     RetryRules,
     Rule,
-    ScheduledTry,
     load_rules_or_default,
     parse_error_name,
-    projected_schedule,
 )
+from delivery.smtp.retryschedule import ScheduledTry, projected_schedule
 from queues.units import format_duration, parse_duration
 
 # A final cutoff this long is "never" (delivery.smtp.retry.FOREVER): project to expiry.

@@ -35,9 +35,9 @@ from django.core.management.base import BaseCommand, CommandError
 from delivery.backpressure.config import BackPressureConfig
 from delivery.backpressure.monitor import Monitor
 from delivery.pickup.watcher import always_allowed, start_pickup
+from delivery.smtpd.config import InboundConfig
 from delivery.smtpd.server import (
     DEFAULT_DB_THREADS,
-    InboundConfig,
     InboundServer,
     format_address,
     parse_listen,

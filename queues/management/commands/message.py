@@ -30,15 +30,9 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
-from queues.filters import (
-    MESSAGE_FILTERS,
-    FilterError,
-    MessageFilter,
-    messages_page,
-    messages_prefetch,
-    parse_limit,
-)
+from queues.filters import MESSAGE_FILTERS, MessageFilter, messages_page, messages_prefetch
 from queues.models import Message
+from queues.paging import FilterError, parse_limit
 from queues.services import actions
 from queues.services.actions import ActionConflict, ActionTooLarge, Via
 from queues.services.preview_sample import sample_lines

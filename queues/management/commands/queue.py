@@ -17,17 +17,11 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from queues import clock
-from queues.filters import (
-    QUEUE_FILTERS,
-    FilterError,
-    QueueFilter,
-    parse_limit,
-    queue_status,
-    queues_page,
-)
+from queues.filters import QUEUE_FILTERS, QueueFilter, queue_status, queues_page
 from queues.holdings import next_attempts
 from queues.management.commands.message import add_actor_option, cli_actor
 from queues.models import Queue
+from queues.paging import FilterError, parse_limit
 from queues.services.actions import ActionConflict, ActionInvalid, Via, timed_notes
 from queues.services.counts import current_counts
 from queues.services.preview_sample import sample_lines

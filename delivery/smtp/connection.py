@@ -1,0 +1,676 @@
+"""One outbound SMTP session on one connection: replies, EHLO, STARTTLS, AUTH, a transaction.
+
+``Connection`` reads capped replies (``MAX_REPLY_LINES``, ``MAX_REPLY_BYTES``,
+``READ_LIMIT`` per line: a hostile peer costs bounded memory), and sends one
+message with ``send``: the envelope is built without the peer
+(``delivery.smtp.envelope``), then exchanged pipelined or in lock-step
+(``_pipelined``, ``_lockstep``), then the body is sent (``_send_body``) and the
+final reply closes the transaction. A session that cannot go on raises
+``SessionFailed``; a round that lost its claim raises ``ClaimLost`` before
+the final dot. ``ClientConfig`` is the frozen configuration every
+connection of a round shares, read from settings once per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import re
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from delivery.smtp import classify as c
+from delivery.smtp import dane, mta_sts
+from delivery.smtp.auth import Credentials
+from delivery.smtp.envelope import (
+    BAD_RECIPIENT,
+    DATA_LINE,
+    Envelope,
+    Refusal,
+    build_envelope,
+    sender_refusal,
+)
+from delivery.smtp.recorder import Recorder, Security
+from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
+from delivery.smtp.tls import TLS_REQUIRED, TlsRequirement
+from delivery.smtp.tlscontext import client_context, peer_chain, sni
+from delivery.smtp.types import (
+    OutboundMessage,
+    OutboundRecipient,
+    Peer,
+)
+from queues.units import seconds
+
+log = logging.getLogger(__name__)
+
+CRLF = b"\r\n"
+# RFC 5321 §4.5.3.2: the client waits up to 10 minutes for the reply to the
+# final dot, longer than for any command.
+MIN_DATA_TIMEOUT = 600.0
+# How long a polite QUIT may hold a finished connection.
+QUIT_TIMEOUT = 5.0
+# Longest reply line we accept (RFC 5321 allows 512; be liberal). The
+# StreamReader raises once its buffer holds this much without a newline, so a
+# line that never ends costs at most about twice this.
+READ_LIMIT = 64 * 1024
+# Longest reply we accept, in lines and in bytes (line ends included). Real
+# EHLO replies have a dozen lines; without a cap a peer sending endless
+# "250-" lines grows the worker until the command timeout (~150 MB/s).
+MAX_REPLY_LINES = 100
+MAX_REPLY_BYTES = 64 * 1024
+# The body goes out in slices of this size, each written once the previous
+# one has drained: the transport copies what the socket did not take at once,
+# so this bounds that copy instead of duplicating the whole message.
+WRITE_CHUNK = 1024 * 1024
+END_MARK = b".\r\n"
+# Enhanced code for a reply we could not parse or would not read (RFC 3463:
+# 4.5.0 other or undefined protocol status).
+PROTOCOL_ENHANCED = c.PROTOCOL_ERROR_ENHANCED
+END_OF_DATA = "end of data"
+# Next hops on this port speak TLS from the first byte (RFC 8314 "submissions").
+IMPLICIT_TLS_PORT = 465
+AUTH_FAILED = "auth_failed"  # Exim's error name for a refused AUTH
+VERIFIED_PEER = ("ca", "mta-sts", "dane")  # TlsSecurity.verified values that checked the peer
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    helo_name: str
+    connect_timeout: float = 30.0
+    # Every command reply (greeting, EHLO, MAIL, RCPT, DATA, RSET).
+    command_timeout: float = 300.0
+    # Sending the message body and waiting for the reply to the final dot.
+    data_timeout: float = MIN_DATA_TIMEOUT
+    max_messages_per_connection: int = 20
+    max_connections: int = 10
+    # Per target: the TLS requirement (None: "may" everywhere) and the AUTH
+    # credentials (None: no AUTH); see delivery.smtp.tls.RoundTls.
+    tls_for: Callable[[Peer], TlsRequirement] | None = None
+    auth_for: Callable[[Peer], Credentials | None] | None = None
+    # Source addresses to bind (at most one IPv4, one IPv6; delivery.shaping):
+    # the one of the target's family is used, none of it: the system's choice.
+    source_address: tuple[str, ...] = ()
+    # AUTH credentials over TLS whose certificate was not verified (MITM-able):
+    # refused unless the operator allows it (MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS).
+    auth_over_unverified_tls: bool = False
+
+    @classmethod
+    def from_settings(cls) -> ClientConfig:
+        from django.conf import settings
+
+        command = seconds(settings.MAILRELAY_SMTP_CLIENT_TIMEOUT)
+        data = settings.MAILRELAY_SMTP_DATA_TIMEOUT
+        return cls(
+            helo_name=settings.MAILRELAY_HOSTNAME,
+            connect_timeout=seconds(settings.MAILRELAY_SMTP_CONNECT_TIMEOUT),
+            command_timeout=command,
+            data_timeout=seconds(data) if data is not None else max(command, MIN_DATA_TIMEOUT),
+            max_messages_per_connection=int(settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION),
+            max_connections=int(settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION),
+            auth_over_unverified_tls=settings.MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS,
+        )
+
+
+# Gives the bytes of a message whose ``data`` is None, when it is about to be sent.
+LoadBody = Callable[[OutboundMessage], Awaitable[bytes]]
+
+
+# --- helpers --------------------------------------------------------------------
+
+
+def stuffed(data: bytes) -> bytes:
+    """The body as it goes on the wire after DATA, without the final ``.CRLF``.
+
+    ``data`` should be CRLF-normalised already; if a bare CR or LF slipped
+    through anyway it is made a CRLF here, so that no receiver can read a
+    different end of data than we meant (SMTP smuggling). A missing final
+    CRLF is added so the terminator is on a line of its own, and every line
+    starting with a dot gets one more (RFC 5321 §4.5.2).
+    """
+    crlf = data.count(CRLF)
+    if data.count(b"\n") != crlf or data.count(b"\r") != crlf:  # three C scans: cheap
+        data = _LINE_END.sub(CRLF, data)
+    if data and not data.endswith(CRLF):
+        data += CRLF
+    if data.startswith(b"."):
+        data = b"." + data
+    # Returns ``data`` itself (no copy) when no line starts with a dot.
+    return data.replace(b"\r\n.", b"\r\n..")
+
+
+class Reply(NamedTuple):
+    code: int
+    lines: list[str]
+
+    @property
+    def text(self) -> str:
+        """The reply text after the code, lines joined by a space; enhanced
+        codes repeated on continuation lines are dropped."""
+        if len(self.lines) == 1:
+            return self.lines[0]
+        return " ".join([self.lines[0], *(c.strip_enhanced(x) for x in self.lines[1:])])
+
+
+class ClaimLost(Exception):
+    """The round lost its recipients in the middle of a transaction: the
+    connection is dropped without the final dot and nothing is recorded."""
+
+
+class SessionFailed(Exception):
+    """The session cannot go on: no reply (lost, timeout, protocol error) or a 421."""
+
+    def __init__(
+        self,
+        phase: str,
+        code: int | None,
+        text: str,
+        note: str = "",
+        error: str = "",
+        enhanced: str = "",
+        in_reply_to: str = "",
+    ) -> None:
+        super().__init__(text)
+        self.in_reply_to = in_reply_to
+        self.phase = phase
+        self.code = code
+        self.text = text
+        # Exim error name when no reply came: "timeout" or "lost_connection";
+        # "" for a protocol error (Exim names none; only "*" rules match it)
+        self.error = error
+        # Added for the message in progress only, not for those never sent.
+        self.note = note
+        # Enhanced code overriding the one classify() picks ("" = keep it).
+        self.enhanced = enhanced
+
+    @property
+    def protocol(self) -> bool:
+        """The peer broke the protocol (a reply too long or malformed)."""
+        return self.enhanced == PROTOCOL_ENHANCED
+
+
+# --- one SMTP session -----------------------------------------------------------
+
+
+class Connection:
+    """One open SMTP session with one target, after a good EHLO."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        target: Peer,
+        config: ClientConfig,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.target = target
+        self.config = config
+        self.extensions: dict[str, str] = {}
+        self.tls = False
+        self.security = Security()
+        # A transaction was left open (MAIL accepted, never finished by DATA).
+        self.need_rset = False
+        self.waiting_for = "greeting"
+        # Asked before MAIL FROM and before the final dot: False once the round
+        # lost its recipients (then nothing more goes on the wire).
+        self.may_send: Callable[[], bool] = lambda: True
+
+    # Reading and writing --------------------------------------------------------
+
+    async def _read_reply(self) -> Reply:
+        """One reply, at most MAX_REPLY_LINES lines and MAX_REPLY_BYTES bytes
+        (each line at most READ_LIMIT); past that, ``ProtocolError``."""
+        lines: list[str] = []
+        size = 0
+        while True:
+            try:
+                line = await self.reader.readline()
+            except ValueError as exc:  # LimitOverrunError: READ_LIMIT and no newline
+                raise ProtocolError(f"reply line longer than {READ_LIMIT} bytes") from exc
+            if not line.endswith(b"\n"):
+                raise ConnectionResetError("connection closed by peer")
+            code = line[:3]
+            sep = line[3:4]
+            if not code.isdigit() or sep not in (b" ", b"-", b"\r", b"\n"):
+                raise ProtocolError(f"malformed reply {line[:80]!r}")
+            size += len(line)
+            if size > MAX_REPLY_BYTES:
+                raise ProtocolError(f"reply longer than {MAX_REPLY_BYTES} bytes")
+            lines.append(line[4:].rstrip(b"\r\n").decode("utf-8", "replace"))
+            if sep != b"-":
+                return Reply(int(code), lines)
+            if len(lines) >= MAX_REPLY_LINES:
+                raise ProtocolError(f"reply longer than {MAX_REPLY_LINES} lines")
+
+    async def reply(self, waiting_for: str) -> Reply:
+        self.waiting_for = waiting_for
+        return await self._read_reply()
+
+    async def command(self, line: bytes, waiting_for: str, phase: str) -> Reply:
+        """Send one command and read its reply, within the command timeout."""
+        try:
+            async with asyncio.timeout(self.config.command_timeout):
+                self.writer.write(line)
+                await self.writer.drain()
+                return await self.reply(waiting_for)
+        except SessionFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a result below
+            raise self.lost(exc, phase, self.config.command_timeout) from exc
+
+    def lost(self, exc: BaseException, phase: str, timeout: float) -> SessionFailed:
+        """The failure for an exception raised while talking to the peer."""
+        if isinstance(exc, TimeoutError):
+            text = f"timeout after {timeout:g}s waiting for reply to {self.waiting_for}"
+        elif isinstance(exc, ProtocolError):
+            text = f"protocol error after {self.waiting_for}: {exc}"
+        elif isinstance(exc, ssl.SSLError):
+            text = f"TLS error after {self.waiting_for}: {exc}"
+        else:
+            why = str(exc) or type(exc).__name__
+            text = f"lost connection while waiting for reply to {self.waiting_for}: {why}"
+        # The peer may have taken the message before the reply was lost.
+        note = " (the message may be delivered twice)" if self.waiting_for == END_OF_DATA else ""
+        if isinstance(exc, ProtocolError):
+            # We close the connection, not the peer: no Exim name fits.
+            return SessionFailed(phase, None, text, note, "", PROTOCOL_ENHANCED)
+        error = "timeout" if isinstance(exc, TimeoutError) else "lost_connection"
+        return SessionFailed(phase, None, text, note, error)
+
+    # Session set-up ---------------------------------------------------------------
+
+    async def hello(self, phase: str) -> None:
+        """EHLO, or HELO when EHLO is refused with 5xx; raise on failure."""
+        name = self.config.helo_name.encode("ascii", "replace")
+        r = await self.command(b"EHLO " + name + CRLF, "EHLO", phase)
+        if r.code // 100 == 2:
+            ext: dict[str, str] = {}
+            for line in r.lines[1:]:
+                keyword, _, params = line.partition(" ")
+                ext[keyword.upper()] = params.strip()
+            self.extensions = ext
+            return
+        if r.code // 100 == 5:
+            r = await self.command(b"HELO " + name + CRLF, "HELO", phase)
+            if r.code // 100 == 2:
+                self.extensions = {}
+                return
+        raise SessionFailed(phase, r.code, r.text)
+
+    async def starttls(self, context: ssl.SSLContext | None = None) -> bool:
+        """STARTTLS and a fresh EHLO. Returns False when the peer declined
+        (the session goes on in cleartext); raises when TLS broke the session."""
+        r = await self.command(b"STARTTLS\r\n", "STARTTLS", c.STARTTLS)
+        if r.code in c.CONNECTION_CODES:
+            raise SessionFailed(c.STARTTLS, r.code, r.text)
+        if r.code != 220:
+            log.info(
+                "%s declined STARTTLS (%s %s); going on in cleartext",
+                self.target.host,
+                r.code,
+                r.text,
+            )
+            return False
+        # Bytes already waiting after the 220 were sent in cleartext and
+        # would be read as if protected (CVE-2011-0411): refuse them.
+        if getattr(self.reader, "_buffer", b""):
+            raise SessionFailed(c.STARTTLS, None, "data after the STARTTLS reply (injection?)")
+        self.waiting_for = "TLS handshake"
+        try:
+            async with asyncio.timeout(self.config.command_timeout):
+                await self.writer.start_tls(
+                    context or client_context(), server_hostname=sni(self.target.host)
+                )
+        except Exception as exc:  # noqa: BLE001 - any handshake failure
+            why = str(exc) or type(exc).__name__
+            if isinstance(exc, TimeoutError):
+                why = f"timeout after {self.config.command_timeout:g}s"
+            raise SessionFailed(c.STARTTLS, None, f"TLS handshake failed: {why}") from exc
+        self.tls_established()
+        await self.hello(c.EHLO)
+        return True
+
+    def tls_established(self) -> None:
+        """Note the TLS version and cipher of the session now encrypted."""
+        self.tls = True
+        ssl_object = self.writer.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            self.security.version = ssl_object.version() or ""
+            cipher = ssl_object.cipher()
+            self.security.cipher = cipher[0] if cipher else ""
+
+    def check_peer(self, req: TlsRequirement) -> None:
+        """After TLS: DANE matching (the context did the CA/MTA-STS checks);
+        record how the peer was verified. Raises when DANE finds no match."""
+        if req.verify == "dane":
+            chain = peer_chain(self.writer.get_extra_info("ssl_object"))
+            if dane.match(req.tlsa, chain) is None:
+                raise SessionFailed(
+                    c.STARTTLS,
+                    None,
+                    f"TLS required ({req.level}) but no TLSA record of {self.target.host} "
+                    "matches its certificate (DANE)",
+                    error=TLS_REQUIRED,
+                    enhanced=TLS_ENHANCED,
+                )
+            self.security.verified = "dane"
+        elif req.verify in ("ca", "mta-sts"):
+            self.security.verified = req.verify
+        elif req.verify == "report":
+            chain = peer_chain(self.writer.get_extra_info("ssl_object"))
+            problem = mta_sts.check_chain(chain, self.target.host, req.ca_file)
+            self.security.verified = "none" if problem else "mta-sts"
+            self.security.report = problem
+        else:
+            self.security.verified = "none"
+
+    async def authenticate(self, creds: Credentials) -> None:
+        """AUTH PLAIN, else LOGIN (RFC 4954); never in cleartext unless the
+        credentials allow it, and over TLS only when the peer's certificate was
+        verified (a ``verify``/``secure``/``dane`` or MTA-STS policy) unless the
+        operator allows unverified TLS. A 5xx is Exim's ``auth_failed``: that
+        next hop will refuse every connection the same way."""
+        host = self.target.host
+        if not self.tls and not creds.allow_cleartext:
+            raise SessionFailed(
+                c.EHLO,
+                None,
+                f"refusing to send AUTH credentials to {host} without TLS "
+                "(add allow-cleartext to its MAILRELAY_SMTP_AUTH line to allow it)",
+                error=TLS_REQUIRED,
+                enhanced=TLS_ENHANCED,
+            )
+        unverified = self.tls and self.security.verified not in VERIFIED_PEER
+        if unverified and not (creds.allow_cleartext or self.config.auth_over_unverified_tls):
+            raise SessionFailed(
+                c.EHLO,
+                None,
+                f"refusing to send AUTH credentials to {host}: its TLS certificate was not "
+                f"verified (TLS policy {self.security.policy or 'may'}; give it the level verify, "
+                "secure or dane, or set MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS)",
+                error=TLS_REQUIRED,
+                enhanced=TLS_ENHANCED,
+            )
+        offered = self.extensions.get("AUTH", "").upper().split()
+        if "PLAIN" in offered:
+            mechanism = "PLAIN"
+            r = await self.command(b"AUTH PLAIN " + creds.plain() + CRLF, "AUTH", c.EHLO)
+        elif "LOGIN" in offered:
+            mechanism = "LOGIN"
+            r = await self._auth_login(creds)
+        else:
+            raise SessionFailed(
+                c.EHLO,
+                None,
+                f"{host} offers no AUTH PLAIN or LOGIN (offered: {' '.join(offered) or 'none'}); "
+                "credentials are configured for it",
+                error=AUTH_FAILED,
+                enhanced="4.7.0",
+            )
+        if r.code == 235:
+            self.security.auth = mechanism
+            return
+        error = AUTH_FAILED if r.code // 100 == 5 else ""
+        # Say plainly what failed (the reply text is often just "failed"), and
+        # keep the peer's enhanced code in its own field.
+        label = "authentication failed (auth_failed)" if error else "authentication deferred"
+        raise SessionFailed(
+            c.EHLO,
+            r.code,
+            f"{label}: {c.strip_enhanced(r.text)}",
+            error=error,
+            enhanced=c.parse_enhanced(r.text),
+            in_reply_to=f"AUTH {mechanism}",
+        )
+
+    async def _auth_login(self, creds: Credentials) -> Reply:
+        """AUTH LOGIN: the user name and the password, each after a 334."""
+        r = await self.command(b"AUTH LOGIN\r\n", "AUTH", c.EHLO)
+        for secret in (creds.username, creds.password):
+            if r.code != 334:
+                return r
+            answer = base64.b64encode(secret.encode()) + CRLF
+            r = await self.command(answer, "AUTH", c.EHLO)
+        return r
+
+    # Sending one message ----------------------------------------------------------
+
+    async def rset(self) -> None:
+        r = await self.command(b"RSET\r\n", "RSET", c.SESSION)
+        if r.code // 100 != 2:
+            raise SessionFailed(c.SESSION, r.code, r.text)
+        self.need_rset = False
+
+    async def send(
+        self, msg: OutboundMessage, rec: Recorder, load_body: LoadBody | None = None
+    ) -> None:
+        """Send one message; put a result for each recipient in ``rec``.
+
+        Raises ``SessionFailed`` when the session breaks (no reply or 421):
+        results already in ``rec`` stand, the caller fills in the rest.
+
+        Steps:
+        1. refuse an unsafe sender or MAIL parameter (5.1.7) before reading
+           the body; read it (``load_body`` when ``msg.data`` is None; a
+           failure defers the message, 4.3.0);
+        2. build the envelope (``delivery.smtp.envelope``), which may refuse
+           the whole message (SIZE 5.3.4, SMTPUTF8 5.6.7) or some recipients
+           (5.1.3) without asking the peer;
+        3. MAIL, RCPT and DATA, pipelined or in lock-step (``_exchange``);
+           a MAIL failure goes to every recipient, a RCPT failure to its own;
+        4. on 354 send the body (``_send_body``) and give the final reply to
+           the accepted recipients (``_end_transaction``); any other DATA
+           reply goes to them too. Until a final reply, the next message
+           starts with RSET (``need_rset``).
+        """
+        refusal = sender_refusal(msg)
+        if refusal is not None:
+            rec.refuse(msg.recipients, refusal)
+            return
+        data = await self._read_body(msg, rec, load_body)
+        if data is None:
+            return
+        envelope = build_envelope(msg, data, self.extensions, self.target.host)
+        if isinstance(envelope, Refusal):
+            rec.refuse(msg.recipients, envelope)
+            return
+        rec.refuse(envelope.refused, BAD_RECIPIENT)
+        if not envelope.rcpts:
+            return
+
+        reply, accepted = await self._exchange(envelope, rec)
+        if reply is None:
+            return  # lock-step stopped before DATA: MAIL refused or no RCPT accepted
+        if reply.code != 354:
+            if accepted:
+                rec.set_many(accepted, c.DATA, reply.code, reply.text)
+            return
+
+        self.waiting_for = END_OF_DATA
+        try:
+            async with asyncio.timeout(self.config.data_timeout):
+                await self._send_body(data if accepted else None)
+                del data  # the final reply may take minutes: hold no body while waiting
+                reply = await self.reply(END_OF_DATA)
+        except ClaimLost:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise self.lost(exc, c.SESSION, self.config.data_timeout) from exc
+        self._end_transaction(reply, accepted, rec)
+
+    async def _read_body(
+        self, msg: OutboundMessage, rec: Recorder, load_body: LoadBody | None
+    ) -> bytes | None:
+        """The message's bytes: given, or read now through ``load_body``.
+        None when they cannot be read: the message is deferred (4.3.0) and
+        the session goes on with the next one."""
+        if msg.data is not None:
+            return msg.data
+        try:
+            if load_body is None:
+                raise LookupError("no body given and no load_body to read it")
+            return await load_body(msg)
+        except Exception as exc:  # noqa: BLE001 - that message waits, the session goes on
+            log.warning("cannot read the body of message %s: %r", msg.id, exc)
+            text = f"cannot read the message body: {exc}"
+            rec.refuse(msg.recipients, Refusal(c.MAIL, "4.3.0", text))
+            return None
+
+    async def _exchange(
+        self, envelope: Envelope, rec: Recorder
+    ) -> tuple[Reply | None, list[OutboundRecipient]]:
+        """MAIL, RCPT and DATA, all within one command timeout. Returns the
+        reply to DATA (None when DATA was not sent) and the recipients accepted."""
+        if not self.may_send():
+            raise ClaimLost("before MAIL FROM")
+        self.waiting_for = "MAIL FROM"
+        try:
+            async with asyncio.timeout(self.config.command_timeout):
+                if "PIPELINING" in self.extensions:
+                    return await self._pipelined(envelope, rec)
+                return await self._lockstep(envelope, rec)
+        except SessionFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a result by lost()
+            raise self.lost(exc, c.SESSION, self.config.command_timeout) from exc
+
+    async def _pipelined(
+        self, envelope: Envelope, rec: Recorder
+    ) -> tuple[Reply, list[OutboundRecipient]]:
+        """RFC 2920: MAIL, every RCPT and DATA in one write, then their replies
+        in order, so a message costs two round trips whatever the replies."""
+        self.writer.write(b"".join([envelope.mail, *envelope.rcpt_lines, DATA_LINE]))
+        await self.writer.drain()
+        self.need_rset = True  # until a final-dot reply closes the transaction
+        mail_ok = await self._mail_reply(envelope, rec)
+        accepted: list[OutboundRecipient] = []
+        for rcpt in envelope.rcpts:
+            if not mail_ok:
+                # Read and checked for 421 only: a 503 "need MAIL" says
+                # nothing about the recipient.
+                await self._checked_reply("RCPT TO", c.RCPT)
+            elif await self._rcpt_reply(rcpt, rec):
+                accepted.append(rcpt)
+        return await self._checked_reply("DATA", c.DATA), accepted
+
+    async def _lockstep(
+        self, envelope: Envelope, rec: Recorder
+    ) -> tuple[Reply | None, list[OutboundRecipient]]:
+        """Without PIPELINING: one command, one reply; no RCPT after a failed
+        MAIL and no DATA when no recipient was accepted (the DATA reply is
+        then None)."""
+        write, drain = self.writer.write, self.writer.drain
+        write(envelope.mail)
+        await drain()
+        self.need_rset = True  # until a final-dot reply closes the transaction
+        if not await self._mail_reply(envelope, rec):
+            return None, []
+        accepted: list[OutboundRecipient] = []
+        for rcpt, line in zip(envelope.rcpts, envelope.rcpt_lines, strict=True):
+            write(line)
+            await drain()
+            if await self._rcpt_reply(rcpt, rec):
+                accepted.append(rcpt)
+        if not accepted:
+            return None, accepted
+        write(DATA_LINE)
+        await drain()
+        return await self._checked_reply("DATA", c.DATA), accepted
+
+    async def _checked_reply(self, waiting_for: str, phase: str) -> Reply:
+        """The next reply; a 421 ends the session (``SessionFailed``)."""
+        r = await self.reply(waiting_for)
+        if r.code in c.CONNECTION_CODES:
+            raise SessionFailed(phase, r.code, r.text)
+        return r
+
+    async def _mail_reply(self, envelope: Envelope, rec: Recorder) -> bool:
+        """Whether MAIL was accepted; if not, its reply goes to every recipient sent."""
+        r = await self._checked_reply("MAIL FROM", c.MAIL)
+        if r.code // 100 == 2:
+            return True
+        rec.set_many(envelope.rcpts, c.MAIL, r.code, r.text)
+        return False
+
+    async def _rcpt_reply(self, rcpt: OutboundRecipient, rec: Recorder) -> bool:
+        """Whether ``rcpt`` was accepted; if not, it gets the reply."""
+        r = await self._checked_reply("RCPT TO", c.RCPT)
+        if r.code // 100 == 2:
+            return True
+        rec.set(rcpt, c.RCPT, r.code, r.text)
+        return False
+
+    async def _send_body(self, data: bytes | None) -> None:
+        """Write the dot-stuffed body in WRITE_CHUNK slices, then the final dot.
+        The slices are views (no copy); waiting for each to drain keeps the
+        transport's own copy of what the socket has not taken to one slice.
+
+        ``data`` None writes the lone dot: the peer said 354 with no recipient
+        accepted (it should not, RFC 2920 §3.1) and the empty transaction ends."""
+        if data is not None:
+            wire = stuffed(data)
+            with memoryview(wire) as view:
+                for start in range(0, len(view), WRITE_CHUNK):
+                    self.writer.write(view[start : start + WRITE_CHUNK])
+                    await self.writer.drain()
+        if not self.may_send():
+            raise ClaimLost("before the final dot")
+        self.writer.write(END_MARK)
+        await self.writer.drain()
+
+    def _end_transaction(
+        self, reply: Reply, accepted: list[OutboundRecipient], rec: Recorder
+    ) -> None:
+        """The reply to the final dot closes the transaction (no RSET needed);
+        it goes to the accepted recipients, unless it is a 421."""
+        self.need_rset = False
+        if reply.code in c.CONNECTION_CODES:
+            raise SessionFailed(c.DATA, reply.code, reply.text)
+        if accepted:
+            rec.set_many(accepted, c.DATA, reply.code, reply.text)
+
+    # Ending -------------------------------------------------------------------------
+
+    async def quit(self) -> None:
+        """QUIT politely and close; a peer that does not answer is not our problem."""
+        try:
+            async with asyncio.timeout(min(self.config.command_timeout, QUIT_TIMEOUT)):
+                self.writer.write(b"QUIT\r\n")
+                await self.writer.drain()
+                await self._read_reply()
+        except Exception:  # noqa: BLE001 - the messages are done already
+            pass
+        await self.close()
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            async with asyncio.timeout(1.0):
+                await self.writer.wait_closed()
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+
+    def abort(self) -> None:
+        transport = self.writer.transport
+        if transport is not None:
+            transport.abort()
+
+
+class ProtocolError(Exception):
+    pass
+
+
+async def discard(conn: Connection, *, polite: bool) -> None:
+    """Give up a session that could not be set up: QUIT without waiting when
+    the peer is still talking to us, else just drop it."""
+    if polite:
+        with contextlib.suppress(Exception):
+            conn.writer.write(b"QUIT\r\n")
+        await conn.close()
+    else:
+        conn.abort()
