@@ -36,6 +36,7 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from insight.deferrals import error_groups
 from queues import clock
 from queues.filters import (
     MAX_BIGINT,
@@ -81,7 +82,6 @@ from queues.services.actions import (
 from queues.services.counts import (
     CountsAsOf,
     current_counts,
-    error_groups,
     qshape,
     queue_history,
 )
