@@ -8,7 +8,7 @@ class DeliveryConfig(AppConfig):
     def ready(self) -> None:
         # Workers run no system checks: a bad transport map must stop start-up
         # here, not turn every message into a categorizer crash.
-        from delivery.route.routing import validate_routing_settings
+        from delivery.checks import validate_routing_settings
 
         validate_routing_settings()
 

@@ -10,7 +10,7 @@ two-letter country second level (``co.uk``, ``com.au``, ...): a heuristic,
 without the public suffix list.
 
 While the queue is small the incidents are aggregated live from
-``insight.deferrals.compute`` (one GROUP BY plus one query for the queues'
+``insight.groups.compute`` (one GROUP BY plus one query for the queues'
 links). At scale the periodic refresh aggregates them from every group and
 stores the largest ``INCIDENTS_STORED`` of each kind (``IncidentSummary``), so
 a read is one indexed query per kind, whatever the number of queues. An
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from insight.deferrals import TREND_SLICES, Group, compute, stored_in_use
+from insight.groups import TREND_SLICES, Group, compute, stored_in_use
 from insight.models import IncidentSummary
 from queues.models import Queue
 

@@ -103,6 +103,7 @@ INSTALLED_APPS = [
     "delivery",
     "insight",
     "tracking",
+    "mailrelay",  # its command runall: the process supervisor
 ]
 
 MIDDLEWARE = [

@@ -1,8 +1,16 @@
-"""Signals the queue store sends when it creates work for the engine.
+"""Signals of the queue store: the work it creates for the engine, and what the
+engine did, for the read side.
 
-``queues`` knows nothing of Celery or of the delivery engine; the engine
-connects its doorbells to these (delivery.apps). Send them after commit:
+``queues`` knows nothing of Celery, of the engine or of the read side: the
+engine connects its doorbells to the first two (delivery.apps); tracking
+connects its recorders to the others (tracking.apps), so the engine imports
+nothing of tracking.
+
+Work signals are sent after commit:
 ``transaction.on_commit(lambda: categorizer_work.send(sender=None))``.
+Record signals are sent inside the transaction that wrote what they describe:
+their receivers write in it too (tracking.record: in a savepoint of its own,
+so a row that cannot be written never rolls back the delivery it describes).
 """
 
 from django.dispatch import Signal
@@ -11,3 +19,36 @@ from django.dispatch import Signal
 categorizer_work = Signal()
 # Recipients on link ``link_id`` became due (queue resumed, retry forced, ...).
 link_work = Signal()  # kwargs: link_id
+
+# --- what the engine did (sent in its transaction) -------------------------------
+
+# The categorizer placed a batch. kwargs: ``placements`` (domain -> an object
+# with ``recipient_ids`` and either ``route`` (queue_name, link_name) or
+# ``error`` (permanent, enhanced, text)), ``now``, ``facts`` (the PLACED_FACTS
+# of the recipients by id, when the categorizer loaded them; else None).
+recipients_placed = Signal()
+# What ``recipients_placed`` carries of each recipient and its message, in this
+# order (the categorizer loads them with the recipients it routes).
+PLACED_FACTS = (
+    "id",
+    "address",
+    "message_id",
+    "message__qid",
+    "message__mail_from",
+    "message__message_id",
+    "message__client_address",
+    "message__auth_account",
+    "message__size",
+    "message__received_at",
+    "message__next_attempt_at",
+    "message__source",
+)
+# A delivery round wrote its attempts. kwargs: ``attempts`` (queues.models.
+# Attempt objects), ``rows`` (the round's recipients by id, with their new
+# state), ``link``, ``now``, ``facts`` (qid, sender and Message-ID by message
+# id, or None), ``owned`` (the ids of the recipients the round could still
+# write; None: all).
+attempts_recorded = Signal()
+# The sweep expired ``recipients`` (queues.models.Recipient). kwargs:
+# ``recipients``, ``now``, ``reason``.
+recipients_expired = Signal()

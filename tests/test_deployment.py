@@ -60,7 +60,7 @@ def _option(cmd: list[str], name: str) -> str:
 def test_compose_and_make_run_start_a_control_and_a_delivery_worker():
     """Routing and the sweep on their own queue and processes; deliveries on
     threads (tests/test_isolation.py shows why)."""
-    from delivery.management.commands.runall import Command
+    from mailrelay.management.commands.runall import Command
 
     services = compose()["services"]
     run = Command()._commands()

@@ -8,10 +8,10 @@ from datetime import timedelta
 import pytest
 
 from insight import deferrals
+from insight.deferrals import error_groups
 from insight.incidents import incidents, registered_domain
 from queues import clock
 from queues.models import RecipientState
-from queues.services.counts import error_groups
 from tests.support.operator_factories import (
     api_client,
     make_link,

@@ -169,7 +169,7 @@ def test_a_newcomers_first_message_arrives_and_is_seen(quickstart):
     ],
 )
 def test_a_hostname_receivers_refuse_is_named_in_a_warning(name, warned):
-    from mailrelay.hostname import hostname_warning
+    from delivery.hostname import hostname_warning
 
     warning = hostname_warning(name)
     if warned is None:

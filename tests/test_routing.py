@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
+from delivery.checks import validate_routing_settings
 from delivery.route.dns import make_resolver, parse_nameserver
 from delivery.route.routing import (
     Router,
@@ -18,7 +19,6 @@ from delivery.route.routing import (
     parse_next_hop,
     parse_transports,
     sort_mx,
-    validate_routing_settings,
 )
 from delivery.smtp.types import NextHop, RouteError
 from tests.support.dns import free_udp_port

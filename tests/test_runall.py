@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from delivery.management.commands import runall as runall_module
-from delivery.management.commands.runall import (
+from mailrelay.management.commands import runall as runall_module
+from mailrelay.management.commands.runall import (
     BACKOFF_FIRST,
     BACKOFF_MAX,
     STABLE_AFTER,

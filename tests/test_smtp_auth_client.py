@@ -9,7 +9,7 @@ import pytest
 import trustme
 from django.core.exceptions import ImproperlyConfigured
 
-from delivery.route.routing import validate_routing_settings
+from delivery.checks import validate_routing_settings
 from delivery.smtp import auth as smtp_auth
 from delivery.smtp.auth import Credentials
 from delivery.smtp.client import deliver

@@ -13,7 +13,7 @@ import pytest
 import trustme
 from django.core.exceptions import ImproperlyConfigured
 
-from delivery.route.routing import validate_routing_settings
+from delivery.checks import validate_routing_settings
 from delivery.smtp import tls as tls_policy
 from delivery.smtp.client import deliver
 from delivery.smtp.tls import TlsRequirement, level_for, parse_policy, requirement

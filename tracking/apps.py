@@ -6,13 +6,20 @@ class TrackingConfig(AppConfig):
     verbose_name = "Message tracking and webhooks"
 
     def ready(self) -> None:
-        # Operator actions and DSNs are recorded from the signals of the queue
-        # store (queues imports nothing of this app).
+        # A message's life is recorded from the signals of the queue store, sent
+        # by the engine and the store in the transaction of what they describe
+        # (neither imports anything of this app).
         from django.db.models.signals import post_save
 
+        from queues import signals
         from queues.bounce.notify import dsn_sent
         from queues.models import AuditEntry
         from tracking import hooks
 
+        signals.recipients_placed.connect(hooks.on_placed, dispatch_uid="tracking.placed")
+        signals.attempts_recorded.connect(
+            hooks.on_attempts_recorded, dispatch_uid="tracking.attempted"
+        )
+        signals.recipients_expired.connect(hooks.on_expired, dispatch_uid="tracking.expired")
         post_save.connect(hooks.on_audit, sender=AuditEntry, dispatch_uid="tracking.audit")
         dsn_sent.connect(hooks.on_dsn_sent, dispatch_uid="tracking.dsn_sent")

@@ -1,15 +1,17 @@
-"""What the engine and the queue store call to record a message's life.
+"""The receivers that record a message's life, from the queue store's signals
+(connected in tracking.apps; the engine and the store import nothing of this app).
 
-Each function takes what its caller already holds and writes a batch of
-tracking rows with at most one SELECT (the messages' envelope facts) and one
-INSERT, in the caller's transaction (tracking.record):
+Each takes what the sender already holds and writes a batch of tracking rows
+with at most one SELECT (the messages' envelope facts) and one INSERT, in the
+sender's transaction (tracking.record):
 
-- ``placed``: the categorizer placed a batch (``received`` once per message
-  on its first categorization, ``routed`` / ``failed`` / ``deferred`` per
-  recipient);
-- ``attempted``: a delivery round's results (one row per attempt:
-  ``delivered`` with the remote queue id, ``deferred`` or ``failed``);
-- ``expired``: the sweep expired recipients;
+- ``placed`` (signal ``recipients_placed``): the categorizer placed a batch
+  (``received`` once per message on its first categorization, ``routed`` /
+  ``failed`` / ``deferred`` per recipient);
+- ``attempted`` (``attempts_recorded``): a delivery round's results (one row
+  per attempt: ``delivered`` with the remote queue id, ``deferred`` or
+  ``failed``);
+- ``expired`` (``recipients_expired``): the sweep expired recipients;
 - ``on_dsn_sent``: a DSN was queued (signal of queues.bounce.notify);
 - ``on_audit``: an operator action (post_save of queues.models.AuditEntry).
 """
@@ -21,6 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from queues.models import AuditEntry, DeliveryType, Link, Message, Queue, RecipientState
+from queues.signals import PLACED_FACTS
 from tracking import events
 from tracking.record import new, write
 from tracking.remote_id import remote_queue_id
@@ -43,28 +46,10 @@ def _message_fields(facts: Mapping[int, tuple[str, str, str]], mid: int) -> dict
     return {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
 
 
-# What ``placed`` needs of each recipient and its message, in this order (the
-# categorizer loads them with the recipients it routes: no SELECT here then).
-PLACED_FACTS = (
-    "id",
-    "address",
-    "message_id",
-    "message__qid",
-    "message__mail_from",
-    "message__message_id",
-    "message__client_address",
-    "message__auth_account",
-    "message__size",
-    "message__received_at",
-    "message__next_attempt_at",
-    "message__source",
-)
-
-
 def placed(
     placements: Mapping[str, Any], now: datetime, facts: Mapping[int, tuple] | None = None
 ) -> None:
-    """After the categorizer decided a batch (delivery.qmgr.categorize._apply).
+    """After the categorizer decided a batch (queues.signals.recipients_placed).
 
     ``placements`` maps a domain to its decision: ``recipient_ids`` and either
     ``route`` (queue_name, link_name) or ``error`` (permanent, enhanced, text).
@@ -150,7 +135,7 @@ def attempted(
     facts: Mapping[int, tuple[str, str, str]] | None = None,
     owned: Container[int] | None = None,
 ) -> None:
-    """After a delivery round wrote its attempts (delivery.smtp.deliver._write):
+    """After a delivery round wrote its attempts (queues.signals.attempts_recorded):
     ``attempts`` are its queues.models.Attempt objects, ``rows`` the round's
     recipients by id with their new state, ``owned`` the ids of those it could
     still write (None: all); ``facts``: qid, sender and
@@ -201,7 +186,7 @@ def attempted(
 
 
 def expired(recipients: list[Any], now: datetime, reason: str) -> None:
-    """After the sweep expired ``recipients`` (delivery.qmgr.sweep._expire)."""
+    """After the sweep expired ``recipients`` (queues.signals.recipients_expired)."""
     facts = _facts(r.message_id for r in recipients)
     write(
         [
@@ -216,6 +201,28 @@ def expired(recipients: list[Any], now: datetime, reason: str) -> None:
             for r in recipients
         ]
     )
+
+
+def on_placed(sender: object, **kwargs: Any) -> None:
+    """queues.signals.recipients_placed: ``placed``."""
+    placed(kwargs["placements"], kwargs["now"], kwargs.get("facts"))
+
+
+def on_attempts_recorded(sender: object, **kwargs: Any) -> None:
+    """queues.signals.attempts_recorded: ``attempted``."""
+    attempted(
+        kwargs["attempts"],
+        kwargs["rows"],
+        kwargs["link"],
+        kwargs["now"],
+        kwargs.get("facts"),
+        owned=kwargs.get("owned"),
+    )
+
+
+def on_expired(sender: object, **kwargs: Any) -> None:
+    """queues.signals.recipients_expired: ``expired``."""
+    expired(kwargs["recipients"], kwargs["now"], kwargs["reason"])
 
 
 def on_dsn_sent(

@@ -2,7 +2,7 @@
 
 Set-up: ``DROP DATABASE mailrelay_bench`` / ``CREATE DATABASE``, ``manage.py
 migrate``, Redis database 13 flushed. Processes (as ``make run`` starts them,
-see delivery/management/commands/runall.py; each in its own process group,
+see mailrelay/management/commands/runall.py; each in its own process group,
 logs in the run's temporary directory):
 
 - ``python manage.py runsmtp`` with MAILRELAY_SMTP_LISTEN=127.0.0.1:<port>;
@@ -381,7 +381,7 @@ class Mailrelay:
         """The celery workers exactly as `make run` starts them (runall's own
         commands, with this environment's settings)."""
         code = (
-            "import json; from delivery.management.commands.runall import Command; "
+            "import json; from mailrelay.management.commands.runall import Command; "
             "print(json.dumps({k: v for k, v in Command()._commands().items() "
             "if k.startswith('worker-')}))"
         )

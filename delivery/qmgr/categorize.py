@@ -39,7 +39,7 @@ from queues.models import (
     RecipientState,
 )
 from queues.placement import placement_for_route, special_queue
-from tracking import hooks as tracking
+from queues.signals import PLACED_FACTS, recipients_placed
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _apply(
 ) -> set[int]:
     """Write the decisions (the messages, ours, are already queued: Message.
     objects.queue_owned); return the ids of links that received work. ``facts``:
-    what the tracking rows need of each recipient (tracking.hooks.PLACED_FACTS)."""
+    what the tracking rows need of each recipient (queues.signals.PLACED_FACTS)."""
     now = clock.now()
     specials: dict[str, Queue] = {}
 
@@ -197,7 +197,8 @@ def _apply(
         failed_ids.extend(failed_now)
         failed.extend(attempts)
     Recipient.objects.place_many(routed, now)
-    tracking.placed(placements, now, facts)  # received / routed rows, one INSERT per batch
+    # Tracking's received / routed rows, one INSERT per batch, in this transaction.
+    recipients_placed.send(None, placements=placements, now=now, facts=facts)
     if failed:
         Attempt.objects.bulk_create(failed)
         counters.record_delivery(failed)
@@ -311,7 +312,7 @@ def _process(ids: list[int], owner: str, claim: Claim | None = None) -> set[int]
 
 
 # The recipients to route with what their tracking rows need (domain, then
-# tracking.hooks.PLACED_FACTS): one hand-written SELECT on PostgreSQL.
+# queues.signals.PLACED_FACTS): one hand-written SELECT on PostgreSQL.
 _PG_TO_ROUTE = (
     "SELECT r.domain, r.id, r.address, r.message_id, m.qid, m.mail_from, m.message_id, "
     "m.client_address, m.auth_account, m.size, m.received_at, m.next_attempt_at, m.source "
@@ -328,7 +329,7 @@ def _to_route(ids: list[int]) -> list[tuple]:
     return list(
         Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED)
         .order_by("id")
-        .values_list("domain", *tracking.PLACED_FACTS)
+        .values_list("domain", *PLACED_FACTS)
     )
 
 

@@ -33,7 +33,7 @@ from queues.models import (
 from queues.placement import special_queue
 from queues.services.counts import queues_recount
 from queues.services.timed import end_due as end_timed_actions
-from tracking import hooks as tracking
+from queues.signals import recipients_expired
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def _expire(report: SweepReport) -> None:
             f"{settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT} of arrival"
         )
         Recipient.objects.expire(rows, now, dead_letter.pk, reason)
-        tracking.expired(rows, now, reason)
+        recipients_expired.send(None, recipients=rows, now=now, reason=reason)
         by_message: dict[int, list[Recipient]] = defaultdict(list)
         for r in rows:
             by_message[r.message_id].append(r)

@@ -36,7 +36,6 @@ import dns.name
 import dns.rdatatype
 import dns.resolver
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
 
 from delivery.route.dns import make_resolver, parse_nameserver
 from delivery.smtp.types import NextHop, Route, RouteError
@@ -220,15 +219,12 @@ def lookup_transport(
     return None
 
 
-def validate_routing_settings() -> None:
-    """Fail start-up on a bad routing setting, naming it (call from AppConfig.ready).
-
-    Otherwise the first message to route would raise, and a bad setting would
-    send every message to the Poison queue instead of stopping the relay.
-    """
+def routing_setting_checks() -> list[tuple[str, Callable[[], object]]]:
+    """(setting, check) pairs of the routing settings for the start-up check
+    (``delivery.checks``): each check raises ValueError naming the bad line."""
     port = settings.MAILRELAY_REMOTE_SMTP_PORT
     smart_host = settings.MAILRELAY_SMART_HOST
-    checks: list[tuple[str, Callable[[], object]]] = [
+    return [
         ("MAILRELAY_TRANSPORTS", lambda: parse_transports(settings.MAILRELAY_TRANSPORTS, port)),
         ("MAILRELAY_SMART_HOST", lambda: smart_host.strip() and parse_next_hop(smart_host, port)),
         (
@@ -236,14 +232,6 @@ def validate_routing_settings() -> None:
             lambda: [parse_nameserver(spec) for spec in settings.MAILRELAY_DNS_NAMESERVERS],
         ),
     ]
-    from delivery.smtp.tls import validate_tls_settings  # imports routing: not at the top
-
-    checks += validate_tls_settings()
-    for name, check in checks:
-        try:
-            check()
-        except ValueError as exc:
-            raise ImproperlyConfigured(f"{name}: {exc}") from None
 
 
 # --- ordering -----------------------------------------------------------------

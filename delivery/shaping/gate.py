@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import redis
 from django.conf import settings
 
+from delivery.qmgr import bell
 from delivery.shaping import adaptive, policy
 from delivery.shaping import limiter as limiter_module
 from delivery.shaping.limiter import Grant, Limiter, limiter, warn_unavailable
@@ -207,8 +208,6 @@ class ShapedRound:
 
 
 def _ring(link_id: int) -> None:
-    from delivery.qmgr import bell
-
     bell.ring_link(link_id)
 
 
@@ -217,10 +216,8 @@ def ring_later(link_id: int, seconds: float) -> None:
     which rings links with due work every MAILRELAY_SWEEP_INTERVAL anyway).
     Capped below the Redis broker's visibility timeout (1 h), past which a
     waiting task would be handed out twice."""
-    from delivery.qmgr.tasks import deliver_link
-
     try:
-        deliver_link.apply_async((link_id,), countdown=min(max(0.1, seconds), MAX_COUNTDOWN))
+        bell.ring_link_in(link_id, min(max(0.1, seconds), MAX_COUNTDOWN))
     except Exception:  # noqa: BLE001 - the sweep rings due links anyway
         log.warning("could not schedule the wake-up of link %s", link_id, exc_info=True)
 

@@ -52,7 +52,7 @@ from queues.models import (
     RecipientState,
 )
 from queues.placement import special_queue
-from tracking import hooks as tracking
+from queues.signals import attempts_recorded
 
 log = logging.getLogger(__name__)
 
@@ -535,7 +535,9 @@ def _write(
         insert_attempts(rnd.attempts)
         # One row per attempt; a recipient whose claim was lost meanwhile (not
         # in ``kept``): its attempt is recorded, its fate is the new owner's.
-        tracking.attempted(rnd.attempts, rnd.rows, link, now, facts, owned=kept)
+        attempts_recorded.send(
+            None, attempts=rnd.attempts, rows=rnd.rows, link=link, now=now, facts=facts, owned=kept
+        )
         if final:
             # Claimed but never tried (the round stopped when it lost its claim,
             # or a peer never got to them): waiting again, due now.

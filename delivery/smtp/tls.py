@@ -131,7 +131,7 @@ def load_policy() -> dict[str, str]:
 
 
 def validate_tls_settings() -> list[tuple[str, object]]:
-    """(setting, check) pairs for ``routing.validate_routing_settings``: each
+    """(setting, check) pairs for the start-up check (``delivery.checks``): each
     check raises ValueError naming the bad line."""
 
     def policy() -> object:

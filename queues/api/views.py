@@ -29,6 +29,7 @@ from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
 from rest_framework.views import APIView
 
+from insight.deferrals import error_groups
 from queues import clock
 from queues.api.serializers import (
     ActionOptionsSerializer,
@@ -67,7 +68,7 @@ from queues.permissions import (
 )
 from queues.services import actions
 from queues.services.actions import ActionConflict, ActionInvalid, ActionTooLarge, Via
-from queues.services.counts import current_counts, error_groups, qshape, queue_history
+from queues.services.counts import current_counts, qshape, queue_history
 from queues.spec import (
     MESSAGE_ACTIONS,
     QUEUE_ACTIONS,

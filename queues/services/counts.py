@@ -396,37 +396,3 @@ def qshape(now: datetime, by: str = "queue", top: int | None = None) -> QShape:
     )
     labels = [str(m) for m in QSHAPE_EDGES_MINUTES] + [f"{QSHAPE_EDGES_MINUTES[-1]}+"]
     return QShape(labels, total, out[:top] if top else out)
-
-
-# --- deferrals grouped by error -------------------------------------------------
-
-
-@dataclass
-class ErrorGroup:
-    queue_id: int
-    queue_name: str
-    code: int | None
-    enhanced: str
-    text: str  # normalised (error_normalize): the value of the error_group filter
-    recipients: int
-    other: bool = False  # the summary's "other errors" row of a queue (insight.deferrals)
-
-
-def error_groups(queue_id: int | None = None, limit: int = 200) -> list[ErrorGroup]:
-    """The distinct last errors of deferred recipients per queue, normalised, with counts.
-
-    Each group links to its messages with the filter ``queue=<id>&error_group=<text>``.
-    Live while the queue is small; with a large one (a million messages) the summary
-    the insight app refreshes in the background, so this answers in milliseconds
-    (insight.deferrals).
-    """
-    from insight.deferrals import deferral_groups
-    from queues import clock
-
-    found = deferral_groups(clock.now(), queue_id, limit).groups
-    groups = [
-        ErrorGroup(g.queue_id, g.queue_name, g.code, g.enhanced, g.text, g.recipients, g.other)
-        for g in found
-    ]
-    groups.sort(key=lambda g: (-g.recipients, g.queue_name, g.text))
-    return groups[:limit]

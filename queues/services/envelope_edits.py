@@ -3,7 +3,7 @@
 A message that failed for a wrong address (a typo in the recipient, a sender
 the next hop refuses) is resubmitted with the address corrected; the stored
 bytes, headers included, stay exactly as received. Addresses are checked as
-SMTP checks them at RCPT/MAIL (``delivery.smtpd.policy``): the same syntax,
+SMTP checks them at RCPT/MAIL (``queues.addresses``, the parser SMTP uses): the same syntax,
 domain normalisation and refusal of sender-specified routing.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from django.db.models import QuerySet
 
+from queues import addresses
 from queues.accept import recipient_domain
 from queues.models import Message, Recipient
 from queues.services.action_errors import ActionConflict, ActionInvalid
@@ -27,16 +28,14 @@ def _path(text: str) -> str:
 
 def _mailbox(what: str, text: str, utf8: bool) -> str:
     """``text`` as an envelope address in its stored form ("" for ``<>``)."""
-    from delivery.smtpd import policy
-
     path = _path(text)
     try:
-        mailbox = policy.parse_mailbox(path, utf8=utf8)
-    except policy.NeedsSMTPUTF8:
+        mailbox = addresses.parse_mailbox(path, utf8=utf8)
+    except addresses.NeedsSMTPUTF8:
         raise ActionInvalid(
             f"{what}: {text!r} is not ASCII and the message was not sent with SMTPUTF8"
         ) from None
-    except policy.PathSyntaxError as exc:
+    except addresses.PathSyntaxError as exc:
         raise ActionInvalid(f"{what}: {text!r} is not an address ({exc})") from None
     if mailbox is None:
         if what == "recipient":

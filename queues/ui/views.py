@@ -32,6 +32,7 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from insight.deferrals import error_groups
 from queues import clock
 from queues.filters import (
     MESSAGE_FILTERS,
@@ -67,7 +68,6 @@ from queues.services.actions import (
 )
 from queues.services.counts import (
     current_counts,
-    error_groups,
     queue_history,
 )
 from queues.services.timed import until_text

@@ -266,7 +266,7 @@ _EXTRACT = r"""
 import json, subprocess, sys
 import django
 django.setup()
-import delivery.management.commands.runall as runall
+import mailrelay.management.commands.runall as runall
 seen = []
 class Stop(Exception):
     pass

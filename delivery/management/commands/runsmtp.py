@@ -34,6 +34,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from delivery.backpressure.config import BackPressureConfig
 from delivery.backpressure.monitor import Monitor
+from delivery.hostname import hostname_warning
 from delivery.pickup.watcher import always_allowed, start_pickup
 from delivery.smtpd.config import InboundConfig
 from delivery.smtpd.server import (
@@ -43,7 +44,6 @@ from delivery.smtpd.server import (
     parse_listen,
     raise_file_limit,
 )
-from mailrelay.hostname import hostname_warning
 
 RESTART_DELAY = 1.0  # seconds before a dead child is started again; doubles while it keeps dying
 RESTART_DELAY_MAX = 30.0

@@ -26,7 +26,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from mailrelay.hostname import hostname_warning
+from delivery.hostname import hostname_warning
 from mailrelay.secret_key import ensure_key_file
 
 
