@@ -28,6 +28,7 @@ from queues.states import (  # noqa: F401
 from queues.transitions import (
     LinkQuerySet,
     MessageQuerySet,
+    QueueQuerySet,
     RecipientQuerySet,
     RetryHintQuerySet,
 )
@@ -99,6 +100,8 @@ class Queue(models.Model):
     outgoing_rate = models.FloatField(default=0)  # messages per minute leaving (delivered/failed)
     oldest_received_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField()
+
+    objects = QueueQuerySet.as_manager()
 
     class Meta:
         constraints = [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import queue
 import threading
@@ -13,11 +12,10 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from functools import partial
+from functools import cache, partial
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F
 
 from delivery.qmgr.categorize import park_poison, worker_id
 from delivery.qmgr.ownership import Claim, while_connected, while_renewing
@@ -35,7 +33,9 @@ from delivery.smtp.types import (
 )
 from queues import clock, counters
 from queues.bounce import dsn
+from queues.bounce import rule as dsn_rule
 from queues.bounce.notify import notify
+from queues.bulk import field_columns, insert_json
 from queues.dberrors import is_outage
 from queues.models import (
     Attempt,
@@ -45,13 +45,12 @@ from queues.models import (
     Event,
     EventLevel,
     Link,
-    LinkState,
     Message,
-    Queue,
     Recipient,
-    RecipientState,
 )
+from queues.outcomes import LinkOutcome, RecipientOutcome, RoundOutcome, Verdict
 from queues.placement import special_queue
+from queues.text import scrub_nul
 from tracking import hooks as tracking
 
 log = logging.getLogger(__name__)
@@ -283,16 +282,17 @@ def _unattempted(
 
 @dataclass
 class _Round:
-    """What one round decided (by ``_decide``, without the database), written by
-    ``_write`` in one transaction."""
+    """What one round decided (by ``_decide``, without the database): its pure
+    ``outcome`` (queues.outcomes), which the store's transitions write, and
+    what else ``_write`` owes in the same transaction."""
 
     now: datetime
-    rows: dict[int, Recipient]  # the claimed rows, with their new state set
+    rows: dict[int, Recipient]  # the claimed rows, as loaded
     link: retry.LinkVerdict
+    outcome: RoundOutcome
     attempts: list[Attempt] = field(default_factory=list)
     failed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
     relayed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
-    message_failures: set[int] = field(default_factory=set)
     hints: list[retry.RetryData] = field(default_factory=list)
     cleared_hints: list[str] = field(default_factory=list)
     delivered_queues: set[int] = field(default_factory=set)
@@ -310,9 +310,27 @@ def _link_retry(link: Link) -> retry.LinkRetry:
     )
 
 
-def _clean(text: str) -> str:
-    """PostgreSQL text cannot hold NUL; a peer's reply may."""
-    return text.replace("\x00", "\ufffd")
+def _attempt(res: RecipientResult, row: Recipient, now: datetime) -> Attempt:
+    return Attempt(
+        recipient_id=res.recipient_id,
+        message_id=res.message_id,
+        queue_id=row.queue_id,
+        started_at=res.started_at or now,
+        duration_ms=res.duration_ms,
+        host=res.host[:300],
+        ip=res.ip[:64],
+        port=res.port,
+        phase=res.phase,
+        code=res.code,
+        enhanced=res.enhanced[:16],
+        text=res.text,
+        outcome=res.outcome,
+        tls_version=res.tls_version[:16],
+        tls_cipher=res.tls_cipher[:100],
+        tls_verified=res.tls_verified[:20],
+        tls_policy=res.tls_policy[:20],
+        auth_used=res.auth_used[:20],
+    )
 
 
 def _decide(
@@ -344,7 +362,7 @@ def _decide(
         via_mx=via_mx,
         now=now,
     )
-    rnd = _Round(now, rows, verdict)
+    rnd = _Round(now, rows, verdict, RoundOutcome(now))
     rnd.hints = retry.host_hints(
         batch.host_failures, host_hints, domain=domain, via_mx=via_mx, now=now
     )
@@ -352,72 +370,60 @@ def _decide(
         row = rows.get(res.recipient_id)
         if row is None:  # no longer this round's (taken back, removed)
             continue
-        rnd.attempts.append(
-            Attempt(
-                recipient_id=res.recipient_id,
-                message_id=res.message_id,
-                queue_id=row.queue_id,
-                started_at=res.started_at or now,
-                duration_ms=res.duration_ms,
-                host=res.host[:300],
-                ip=res.ip[:64],
-                port=res.port,
-                phase=res.phase,
-                code=res.code,
-                enhanced=res.enhanced[:16],
-                text=res.text,
-                outcome=res.outcome,
-                tls_version=res.tls_version[:16],
-                tls_cipher=res.tls_cipher[:100],
-                tls_verified=res.tls_verified[:20],
-                tls_policy=res.tls_policy[:20],
-                auth_used=res.auth_used[:20],
-            )
+        rnd.attempts.append(_attempt(res, row, now))
+        rnd.outcome.recipients[row.id] = _decide_recipient(
+            rnd, res, row, senders.get(row.message_id, ""), via_mx
         )
-        sender = senders.get(row.message_id, "")
-        timed_out = False
-        if res.outcome == AttemptOutcome.DEFERRED:
-            d = retry.deferral(
-                res,
-                address=row.address,
-                sender=sender,
-                first_failure_at=row.first_failure_at,
-                last_attempt_at=row.last_attempt_at,
-                next_attempt_at=row.next_attempt_at,
-                link=verdict,
-                via_mx=via_mx,
-                now=now,
-            )
-            row.first_failure_at = d.first_failure_at
-            timed_out = d.next_attempt_at is None
-            if not timed_out:
-                row.next_attempt_at = d.next_attempt_at
-            if d.message_failure:
-                rnd.message_failures.add(row.message_id)
-            if d.address_hint is not None:
-                rnd.hints.append(d.address_hint)
-            rnd.errors_by_queue[row.queue_id] = res.text
-        row.attempt_count += 1
-        row.lease_owner, row.lease_until = "", None
-        row.last_attempt_at = res.started_at or now
-        row.last_code = res.code
-        row.last_enhanced = res.enhanced[:16]
-        row.last_text = res.text
-        row.last_host = f"{res.host} [{res.ip}]" if res.ip else res.host
-        if res.outcome == AttemptOutcome.DELIVERED:
-            row.state, row.final_at = RecipientState.DELIVERED, now
-            rnd.delivered_queues.add(row.queue_id)
-            rnd.cleared_hints += retry.cleared_by_delivery(row.address, sender, res.host, res.ip)
-            if "SUCCESS" in row.notify.upper() and not res.peer_dsn:
-                rnd.relayed[row.message_id].append(row)
-        elif res.outcome == AttemptOutcome.FAILED or timed_out:
-            row.state, row.final_at = RecipientState.FAILED, now  # queue: Dead-letter (_write)
-            if timed_out:
-                row.last_text = f"retry timeout exceeded; last error: {res.text}"
-            rnd.failed[row.message_id].append(row)
-        else:
-            row.state = RecipientState.DEFERRED
     return rnd
+
+
+def _decide_recipient(
+    rnd: _Round, res: RecipientResult, row: Recipient, sender: str, via_mx: bool
+) -> RecipientOutcome:
+    """One recipient's verdict (step 3 and 4 of ``_decide``)."""
+    now = rnd.now
+    outcome = RecipientOutcome(
+        verdict=Verdict.DEFERRED,
+        tried_at=res.started_at or now,
+        code=res.code,
+        enhanced=res.enhanced[:16],
+        text=res.text,
+        host=f"{res.host} [{res.ip}]" if res.ip else res.host,
+        first_failure_at=row.first_failure_at,
+    )
+    timed_out = False
+    if res.outcome == AttemptOutcome.DEFERRED:
+        d = retry.deferral(
+            res,
+            address=row.address,
+            sender=sender,
+            first_failure_at=row.first_failure_at,
+            last_attempt_at=row.last_attempt_at,
+            next_attempt_at=row.next_attempt_at,
+            link=rnd.link,
+            via_mx=via_mx,
+            now=now,
+        )
+        outcome.first_failure_at = d.first_failure_at
+        timed_out = d.next_attempt_at is None
+        outcome.until = d.next_attempt_at
+        if d.message_failure:
+            rnd.outcome.message_failures.add(row.message_id)
+        if d.address_hint is not None:
+            rnd.hints.append(d.address_hint)
+        rnd.errors_by_queue[row.queue_id] = res.text
+    if res.outcome == AttemptOutcome.DELIVERED:
+        outcome.verdict = Verdict.DELIVERED
+        rnd.delivered_queues.add(row.queue_id)
+        rnd.cleared_hints += retry.cleared_by_delivery(row.address, sender, res.host, res.ip)
+        if dsn_rule.wants(dsn_rule.SUCCESS, row.notify, sender) and not res.peer_dsn:
+            rnd.relayed[row.message_id].append(row)
+    elif res.outcome == AttemptOutcome.FAILED or timed_out:
+        outcome.verdict = Verdict.FAILED  # kept in the Dead-letter queue
+        if timed_out:
+            outcome.text = f"retry timeout exceeded; last error: {res.text}"
+        rnd.failed[row.message_id].append(row)
+    return outcome
 
 
 @dataclass
@@ -462,8 +468,8 @@ def _record(
     if final:
         link.refresh_from_db()  # a retried recording starts again from the stored link
     for res in batch.results:
-        res.text, res.host = _clean(res.text), _clean(res.host)
-    batch.connection_error = _clean(batch.connection_error)
+        res.text, res.host = scrub_nul(res.text), scrub_nul(res.host)
+    batch.connection_error = scrub_nul(batch.connection_error)
     claimed = Recipient.objects.filter(id__any=[x.recipient_id for x in batch.results]).owned_by(
         owner
     )
@@ -518,15 +524,13 @@ def _write(
     now = rnd.now
     rows = rnd.rows
     with transaction.atomic():
-        if any(rnd.failed.values()):
-            dead_letter = special_queue(DeliveryType.DEAD_LETTER, now)
-            for failed in rnd.failed.values():
-                for row in failed:
-                    row.queue_id = dead_letter.pk
+        dead_letter = (
+            special_queue(DeliveryType.DEAD_LETTER, now).pk if any(rnd.failed.values()) else None
+        )
         # Write (and lock) only rows whose claim is still ours, in the same
         # statement: rows the sweep took back meanwhile keep their newer
         # state; the attempts stay.
-        kept = Recipient.objects.record_owned(list(rows.values()), RECIPIENT_UPDATE_FIELDS, owner)
+        kept = Recipient.objects.record_round(rows, rnd.outcome.recipients, owner, dead_letter, now)
         if len(kept) != len(rows):
             rows = {rid: row for rid, row in rows.items() if rid in kept}
             for per_message in (rnd.failed, rnd.relayed):
@@ -542,17 +546,10 @@ def _write(
             Recipient.objects.owned_by(owner).release(now)
         _write_hints(rnd, forget=final)
         _notify_round(rnd)
-        if rnd.message_failures:
-            threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
-            Message.objects.filter(id__in=rnd.message_failures).update(
-                per_message_failures=F("per_message_failures") + 1
-            )
-            Message.objects.filter(
-                id__in=rnd.message_failures, per_message_failures__gte=threshold
-            ).update(problem=True)
+        Message.objects.count_message_failures(rnd.outcome.message_failures)
         Message.objects.finish_ids({r.message_id for r in batch.results}, now)
         if final:
-            _write_link(link, rnd, batch.connection_error)
+            Link.objects.record_round(link, _link_outcome(rnd, batch.connection_error), now)
     counters.record_delivery(rnd.attempts, rows.values())
 
 
@@ -574,67 +571,41 @@ def _write_hints(rnd: _Round, *, forget: bool = True) -> None:
 
 
 def insert_attempts(attempts: list[Attempt]) -> None:
-    """The round's Attempt rows: on PostgreSQL one INSERT … SELECT FROM
-    jsonb_to_recordset() of the whole batch (bulk_create prepares each of the
-    18 fields of each row and sends a placeholder per value, several times the
-    CPU); bulk_create elsewhere. The rows get no pk back (none is needed)."""
+    """The round's Attempt rows: on PostgreSQL one INSERT of the whole batch
+    (queues.bulk.insert_json: bulk_create prepares each of the 18 fields of
+    each row and sends a placeholder per value, several times the CPU);
+    bulk_create elsewhere. The rows get no pk back (none is needed)."""
     if not attempts:
         return
     if connection.vendor != "postgresql":
         Attempt.objects.bulk_create(attempts)
         return
-    if _ATTEMPT_INSERT is None:
-        _prepare_attempt_insert()
-    columns = _ATTEMPT_COLUMNS
-    payload = json.dumps(
-        [{c: getattr(a, c) for c in columns} for a in attempts], default=_json_value
-    )
-    with connection.cursor() as cur:
-        cur.execute(_ATTEMPT_INSERT, [payload])
-
-
-_ATTEMPT_COLUMNS: list[str] = []
-_ATTEMPT_INSERT: str | None = None
-
-
-def _prepare_attempt_insert() -> None:
-    global _ATTEMPT_INSERT
-    fields = [f for f in Attempt._meta.concrete_fields if not f.primary_key]
-    _ATTEMPT_COLUMNS[:] = [f.column for f in fields]
-    typed = ", ".join(
-        f"{f.column} {'bigint' if f.is_relation else f.cast_db_type(connection)}" for f in fields
-    )
-    names = ", ".join(_ATTEMPT_COLUMNS)
-    _ATTEMPT_INSERT = (
-        f"INSERT INTO {Attempt._meta.db_table} ({names}) SELECT {names} "
-        f"FROM jsonb_to_recordset(%s::jsonb) AS x({typed})"
+    columns = _attempt_columns()
+    names = [name for name, _ in columns]
+    insert_json(
+        Attempt._meta.db_table, columns, [{c: getattr(a, c) for c in names} for a in attempts]
     )
 
 
-def _json_value(value: object) -> str:
-    return value.isoformat() if isinstance(value, datetime) else str(value)
+@cache
+def _attempt_columns() -> list[tuple[str, str]]:
+    names = [f.attname for f in Attempt._meta.concrete_fields if not f.primary_key]
+    return field_columns(Attempt, names)
 
 
-def _write_link(link: Link, rnd: _Round, connection_error: str) -> None:
-    now = rnd.now
+def _link_outcome(rnd: _Round, connection_error: str) -> LinkOutcome:
+    """The link's part of the round's outcome (its verdict and its queues')."""
     verdict = rnd.link
-    link.failure_count = verdict.retry.failure_count
-    link.first_failure_at = verdict.retry.first_failure_at
-    link.next_retry_at = verdict.retry.next_retry_at
-    if verdict.failed:
-        link.state = LinkState.RETRY
-        link.last_error, link.last_error_at = connection_error, now
-    else:
-        link.state = LinkState.READY
-    if rnd.delivered_queues:
-        Queue.objects.filter(id__in=rnd.delivered_queues).update(last_delivery_at=now)
-        link.last_success_at = now
-    for queue_id, text in rnd.errors_by_queue.items():
-        Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
-    tls = _tls_summary(rnd.attempts) or rnd.carried_tls
-    if tls:
-        link.last_tls = tls
-    link.save(update_fields=LINK_UPDATE_FIELDS)
+    return LinkOutcome(
+        failed=verdict.failed,
+        failure_count=verdict.retry.failure_count,
+        first_failure_at=verdict.retry.first_failure_at,
+        next_retry_at=verdict.retry.next_retry_at,
+        error=connection_error,
+        tls=_tls_summary(rnd.attempts) or rnd.carried_tls,
+        delivered_queues=rnd.delivered_queues,
+        errors_by_queue=rnd.errors_by_queue,
+    )
 
 
 def _tls_summary(attempts: list[Attempt]) -> str:
@@ -655,33 +626,6 @@ def _tls_summary(attempts: list[Attempt]) -> str:
     if a.auth_used:
         text += f", AUTH {a.auth_used}"
     return text[:120]
-
-
-RECIPIENT_UPDATE_FIELDS = [
-    "state",
-    "attempt_count",
-    "last_attempt_at",
-    "last_code",
-    "last_enhanced",
-    "last_text",
-    "last_host",
-    "lease_owner",
-    "lease_until",
-    "final_at",
-    "first_failure_at",
-    "next_attempt_at",
-    "queue_id",
-]
-LINK_UPDATE_FIELDS = [
-    "state",
-    "failure_count",
-    "first_failure_at",
-    "next_retry_at",
-    "last_error",
-    "last_error_at",
-    "last_success_at",
-    "last_tls",
-]
 
 
 def _notify_round(rnd: _Round) -> None:
@@ -842,12 +786,7 @@ def _record_crash(owner: str) -> None:
             now + settings.MAILRELAY_MESSAGE_RETRY_INTERVAL,
             "internal error while recording the delivery; will retry",
         )
-        Message.objects.filter(id__in=message_ids).update(crash_count=F("crash_count") + 1)
-        poisoned = list(
-            Message.objects.filter(
-                id__in=message_ids, crash_count__gt=settings.MAILRELAY_POISON_THRESHOLD
-            ).values_list("id", flat=True)
-        )
+        poisoned = Message.objects.filter(id__in=message_ids).count_crash()
     if poisoned:
         park_poison(poisoned)
 

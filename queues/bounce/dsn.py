@@ -58,13 +58,11 @@ from datetime import UTC, datetime
 from email.parser import BytesHeaderParser
 from email.utils import format_datetime
 
+# Kinds, named after the NOTIFY keywords (RFC 3461 §4.1); who is owed which:
+# queues.bounce.rule (dsn_wanted).
+from queues.bounce.rule import DEFAULT_NOTIFY, DELAY, FAILURE, KINDS, SUCCESS  # noqa: F401
+from queues.bounce.rule import wants as dsn_wanted  # noqa: F401
 from queues.headers import header_block
-
-# Kinds, named after the NOTIFY keywords (RFC 3461 §4.1).
-FAILURE = "failure"
-DELAY = "delay"
-SUCCESS = "success"
-KINDS = (FAILURE, DELAY, SUCCESS)
 
 # RFC 3464 §2.3.3 actions each kind may report.
 ACTIONS_BY_KIND: dict[str, frozenset[str]] = {
@@ -78,10 +76,6 @@ SUBJECT_BY_KIND = {
     DELAY: "Delayed Mail (still being retried)",
     SUCCESS: "Successful Mail Delivery Report",
 }
-
-# Defaults when NOTIFY was not given (RFC 3461 §4.1 leaves it to us; FAILURE,DELAY
-# is what Postfix, Exim and Exchange do).
-DEFAULT_NOTIFY = frozenset({FAILURE, DELAY})
 
 CRLF = "\r\n"
 _STATUS = re.compile(r"[245]\.\d{1,3}\.\d{1,3}\Z")
@@ -199,25 +193,6 @@ class DsnTransport:
 
 
 # Deciding --------------------------------------------------------------------------
-
-
-def dsn_wanted(kind: str, notify: str, mail_from: str) -> bool:
-    """Whether a ``kind`` report is owed for a recipient with this NOTIFY value.
-
-    Never to the null sender (RFC 5321 §4.5.5, RFC 3461 §6.2: a report about
-    a report could loop forever); NOTIFY=NEVER wants none; no NOTIFY means
-    FAILURE,DELAY; otherwise exactly the listed kinds.
-    """
-    if kind not in KINDS:
-        raise ValueError(f"unknown DSN kind {kind!r}")
-    if mail_from.strip() in ("", "<>"):
-        return False
-    keywords = {word.strip().lower() for word in notify.split(",") if word.strip()}
-    if not keywords:
-        return kind in DEFAULT_NOTIFY
-    if "never" in keywords:
-        return False
-    return kind in keywords
 
 
 def is_dsn(data: bytes) -> bool:
