@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import IO, Any
 
-from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import models, transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
@@ -189,22 +188,6 @@ def _chunks(ids: Sequence[int], size: int = CHUNK) -> Iterable[list[int]]:
 # --- the cores: set-based state changes, shared by single and bulk forms ----------
 
 
-def _resubmit_recipients(recipients: QuerySet[Recipient], now: datetime) -> int:
-    """Send waiting recipients back to the categorizer (their messages to Submission).
-
-    Recipients parked in Poison come back too: their message loses its
-    poison suspension and crash count (an operator decided to try again).
-    Returns how many recipients moved.
-    """
-    waiting = recipients.filter(state__in=WAITING_RECIPIENT_STATES).exclude(
-        message__state=MessageState.CATEGORIZING
-    )
-    poisoned = waiting.filter(queue__delivery_type=DeliveryType.POISON).values("message_id")
-    Message.objects.filter(id__in=poisoned).update(suspended=False, crash_count=0, isolate=False)
-    Message.objects.filter(id__in=waiting.values("message_id")).back_to_submission(now)
-    return waiting.back_to_submission(now)
-
-
 def _links_with_waiting(message_ids: Iterable[int]) -> set[int]:
     return set(
         Recipient.objects.filter(
@@ -221,11 +204,7 @@ def _links_with_waiting(message_ids: Iterable[int]) -> set[int]:
 def _suspend(message_ids: Sequence[int], opts: Options = NO_OPTIONS) -> int:
     changed = 0
     for chunk in _chunks(message_ids):
-        changed += (
-            Message.objects.filter(id__in=chunk, suspended=False)
-            .exclude(state=MessageState.DONE)
-            .update(suspended=True, suspended_until=opts.until, suspended_by=opts.by[:150])
-        )
+        changed += Message.objects.filter(id__in=chunk).suspend(opts.until, opts.by)
     return changed
 
 
@@ -241,14 +220,11 @@ def _resume(message_ids: Sequence[int], now: datetime) -> int:
         )
         if not ids:
             continue
-        changed += Message.objects.filter(id__in=ids).update(
-            suspended=False, suspended_until=None, suspended_by=""
-        )
+        changed += Message.objects.filter(id__in=ids).resume()
         # A message the poison guard parked is released to the categorizer.
-        if _resubmit_recipients(
-            Recipient.objects.filter(message_id__in=ids, queue__delivery_type=DeliveryType.POISON),
-            now,
-        ):
+        if Recipient.objects.filter(
+            message_id__in=ids, queue__delivery_type=DeliveryType.POISON
+        ).resubmit(now):
             submission = True
         submission = submission or (
             Message.objects.filter(id__in=ids, state=MessageState.SUBMISSION).exists()
@@ -277,29 +253,7 @@ def _dead_letters(message_ids: Iterable[int]) -> QuerySet[Recipient]:
 
 def _revive_dead_letters(message_ids: Sequence[int], now: datetime) -> int:
     """Give dead letters a new life: back to the categorizer with a fresh expiry (MSMQ)."""
-    rows = _dead_letters(message_ids)
-    revived = set(rows.values_list("message_id", flat=True))
-    if not revived:
-        return 0
-    rows.update(
-        queue=None,
-        state=RecipientState.SUBMITTED,
-        next_attempt_at=now,
-        final_at=None,
-        attempt_count=0,
-        first_failure_at=None,
-        delay_dsn_sent=False,
-        lease_until=None,
-    )
-    Message.objects.filter(id__in=revived).update(
-        state=MessageState.SUBMISSION,
-        next_attempt_at=now,
-        completed_at=None,
-        expires_at=now + settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT,
-        per_message_failures=0,
-        problem=False,
-    )
-    return len(revived)
+    return len(_dead_letters(message_ids).revive(now))
 
 
 def _resubmit(message_ids: Sequence[int], now: datetime) -> int:
@@ -312,7 +266,7 @@ def _resubmit(message_ids: Sequence[int], now: datetime) -> int:
             .values_list("message_id", flat=True)
             .distinct()
         )
-        if _resubmit_recipients(moved, now):
+        if moved.resubmit(now):
             changed += len(before)
         changed += _revive_dead_letters(chunk, now)
     if changed:
@@ -400,7 +354,7 @@ def _queue_retry(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int
         raise _nothing_waiting(queue, "retry")
     if queue.delivery_type == DeliveryType.UNREACHABLE:
         # No next hop to retry: retrying Unreachable is routing it again now.
-        _resubmit_recipients(Recipient.objects.filter(queue=queue), now)
+        Recipient.objects.filter(queue=queue).resubmit(now)
         _after_commit_categorizer()
         return count
     if queue.link_id is None:
@@ -433,7 +387,7 @@ def _queue_resubmit(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> 
     count = _waiting_count(queue)
     if not count:
         raise _nothing_waiting(queue, "resubmit")
-    _resubmit_recipients(Recipient.objects.filter(queue=queue), now)
+    Recipient.objects.filter(queue=queue).resubmit(now)
     _after_commit_categorizer()
     return count
 
@@ -441,16 +395,14 @@ def _queue_resubmit(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> 
 def _queue_suspend(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
     if queue.suspended:
         raise ActionConflict(f"queue {queue.name} is already suspended")
-    Queue.objects.filter(pk=queue.pk).update(
-        suspended=True, suspended_until=opts.until, suspended_by=opts.by[:150]
-    )
+    Queue.objects.filter(pk=queue.pk).suspend(opts.until, opts.by)
     return _waiting_count(queue)
 
 
 def _queue_resume(queue: Queue, now: datetime, opts: Options = NO_OPTIONS) -> int:
     if not queue.suspended:
         raise ActionConflict(f"queue {queue.name} is not suspended")
-    Queue.objects.filter(pk=queue.pk).update(suspended=False, suspended_until=None, suspended_by="")
+    Queue.objects.filter(pk=queue.pk).resume()
     if queue.link_id:
         _after_commit_links([queue.link_id])
     return _waiting_count(queue)
