@@ -52,7 +52,7 @@ from queues.replay import replay_envelope
 from queues.services import envelope_edits, preview_sample, reroute
 from queues.services.action_errors import ActionConflict, ActionInvalid, ActionTooLarge
 from queues.services.retry_now import retry_now, retry_selection
-from queues.services.timed import parse_until, until_text
+from queues.services.until import parse_until, until_text
 from queues.signals import categorizer_work, link_work
 
 # A removed recipient's status. RFC 3463 X.7.0 ("other or undefined security

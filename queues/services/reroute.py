@@ -28,7 +28,7 @@ from queues.models import (
     Recipient,
 )
 from queues.services.action_errors import ActionConflict, ActionInvalid
-from queues.services.timed import until_text
+from queues.services.until import until_text
 from queues.signals import categorizer_work, link_work
 
 # Delivery types that have a next hop to replace.
