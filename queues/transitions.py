@@ -25,6 +25,9 @@ transaction); none loads message bodies.
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 
@@ -50,6 +53,12 @@ def _model(name: str) -> type[models.Model]:
     """A model of the store by name: the models import this module for their
     managers, so this module never imports them (no cycle)."""
     return apps.get_model("queues", name)
+
+
+def new_owner() -> str:
+    """An owner token for a claim (a categorizer batch, a link's delivery task, a
+    webhook sender): host, process and a random part, unique among the live."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def poisoned(crash_count: int) -> bool:
