@@ -34,6 +34,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.db.models.functions import Lower
 
 from queues import bodies, clock
+from queues.bounce.rule import FAILURE, null_sender_q, wants_q
 from queues.holdings import held_count, held_recipients_q, holds_q, queue_messages
 from queues.models import (
     FINAL_RECIPIENT_STATES,
@@ -1119,12 +1120,6 @@ def _in_flight(qs: QuerySet[Message]) -> QuerySet[Message]:
     )
 
 
-def _owes_failure_report() -> Q:
-    # queues.bounce.notify / queues.bounce.dsn.dsn_wanted: never to the null sender nor
-    # about a report; no NOTIFY means FAILURE,DELAY; else FAILURE must be listed.
-    return Q(notify="") | Q(notify__icontains="failure")
-
-
 def messages_preview(
     action: str, queryset: QuerySet[Message], *, ndr: bool = False, **options: Any
 ) -> Preview:
@@ -1142,15 +1137,9 @@ def messages_preview(
         if ndr and failing:
             owed = (
                 Message.objects.filter(pk__in=ids)
-                .exclude(mail_from__in=("", "<>"))
+                .exclude(null_sender_q())
                 .exclude(source=MessageSource.DSN)
-                .filter(
-                    Exists(
-                        rows.filter(_owes_failure_report(), message=OuterRef("pk")).exclude(
-                            notify__icontains="never"
-                        )
-                    )
-                )
+                .filter(Exists(rows.filter(wants_q(FAILURE), message=OuterRef("pk"))))
             )
             ndrs = owed.count()
             ndr_senders = owed.values(lower=Lower("mail_from")).distinct().count() if ndrs else 0
