@@ -11,6 +11,8 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+from queues.retrydata import RetryHintQuerySet
+
 # The states live in queues.states (the transitions use them too); re-exported
 # here because every caller knows them as queues.models.*.
 from queues.states import (  # noqa: F401
@@ -30,7 +32,6 @@ from queues.transitions import (
     MessageQuerySet,
     QueueQuerySet,
     RecipientQuerySet,
-    RetryHintQuerySet,
 )
 
 

@@ -1,9 +1,18 @@
 """Every state transition of the queue store, written once.
 
-The categorizer, delivery, the sweep and the operator actions change the
-state of messages, recipients and links only through these QuerySet methods
-(``Message.objects``, ``Recipient.objects``, ``Link.objects``), so the rules of
-ownership are written in one place:
+The store owns every state word: a Message's state, suspension, problem and
+poison counters and lease; a Recipient's state and lease; a Link's state and
+lease; a Queue's suspension and re-route. Nothing outside this module writes
+them (tests/test_state_writes.py scans the source). The categorizer,
+delivery, the sweep and the operator actions (UI, API, CLI alike) change them
+only through these QuerySet methods (``Message.objects``,
+``Recipient.objects``, ``Link.objects``, ``Queue.objects``): one transition
+each for back to Submission (``resubmit``), suspend and resume, revive,
+poison, re-route. The engine hands over pure outcomes (``queues.outcomes``:
+a round's ``record_round``), never a state word. The models are looked up
+by name (``_model``): they import this module for their managers.
+
+The rules of ownership are written here too:
 
 - **A claim has an owner and a lease.** Whoever claims rows (a categorizer
   batch, a delivery round, a link's delivery task) writes its owner token and
@@ -34,10 +43,10 @@ from datetime import datetime, timedelta
 from django.apps import apps
 from django.conf import settings
 from django.db import connection, models, transaction
-from django.db.models import Exists, F, Lookup, OuterRef, Q
-from django.db.models.lookups import In
+from django.db.models import Exists, F, OuterRef, Q
 
 from queues.bulk import field_columns, update_json
+from queues.lookups import postgresql
 from queues.outcomes import LinkOutcome, RecipientOutcome, Verdict
 from queues.states import (
     FINAL_RECIPIENT_STATES,
@@ -65,34 +74,6 @@ def poisoned(crash_count: int) -> bool:
     """The poison rule: a message whose processing crashed its worker more than
     MAILRELAY_POISON_THRESHOLD times is parked in the Poison queue."""
     return crash_count > settings.MAILRELAY_POISON_THRESHOLD
-
-
-class AnyOf(Lookup):
-    """``filter(id__any=ids)``: ``id = ANY(%s)`` with the ids as one array parameter
-    on PostgreSQL (an ``IN (%s, %s, …)`` list of hundreds of ids costs psycopg's
-    client-side binding and Django's compiler a placeholder each, and makes
-    every batch size a new statement); an ``IN`` list elsewhere."""
-
-    lookup_name = "any"
-    prepare_rhs = False
-
-    def as_sql(self, compiler, connection):  # type: ignore[no-untyped-def]
-        if connection.vendor != "postgresql":
-            return In(self.lhs, list(self.rhs)).as_sql(compiler, connection)
-        lhs, params = self.process_lhs(compiler, connection)
-        # The base type without its length: an explicit cast to varchar(n)
-        # truncates, and a longer value would then match another row.
-        cast = self.lhs.output_field.cast_db_type(connection).partition("(")[0]
-        return f"{lhs} = ANY(%s::{cast}[])", [*params, list(self.rhs)]
-
-
-models.Field.register_lookup(AnyOf)
-models.ForeignObject.register_lookup(AnyOf)  # its lookups stop at ForeignObject
-
-
-def postgresql() -> bool:
-    """Whether the hot paths may use their hand-written PostgreSQL statements."""
-    return connection.vendor == "postgresql"
 
 
 # The categorizer's claim in one statement (PostgreSQL): a message to be tried
@@ -789,29 +770,3 @@ class QueueQuerySet(models.QuerySet):
     def learn_route(self, link_id: int) -> int:
         """A re-routed queue's route changed meanwhile: it returns there at the end."""
         return self.update(reroute_from=link_id)
-
-
-class RetryHintQuerySet(models.QuerySet):
-    """Exim's retry data, stored (the rules and the arithmetic live in delivery.smtp.retry)."""
-
-    FIELDS = ("first_failed", "last_tried", "next_try", "expired", "error", "text")
-
-    def load(self, keys: Iterable[str]) -> dict:
-        return {h.key: h for h in self.filter(key__in=list(set(keys)))}
-
-    def save(self, hints: Iterable) -> None:
-        """Insert or update one row per key (the last one given wins)."""
-        rows = {h.key: h for h in hints}
-        if rows:
-            self.bulk_create(
-                list(rows.values()),
-                update_conflicts=True,
-                unique_fields=["key"],
-                update_fields=list(self.FIELDS),
-            )
-
-    def clear(self, keys: Iterable[str]) -> None:
-        """A success deletes the data (that resets Exim's retry clock)."""
-        keys = list(set(keys))
-        if keys:
-            self.filter(key__any=keys).delete()

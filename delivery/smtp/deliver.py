@@ -10,7 +10,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime
 from functools import cache, partial
 
@@ -24,6 +24,7 @@ from delivery.shaping import gate as shaping_gate
 from delivery.smtp import retry
 from delivery.smtp import tls as tls_policy
 from delivery.smtp.client import ClientConfig, deliver
+from delivery.smtp.outcome import Carried, Round, decide, link_outcome, unattempted
 from delivery.smtp.types import (
     BatchResult,
     NextHop,
@@ -33,14 +34,12 @@ from delivery.smtp.types import (
 )
 from queues import clock, counters
 from queues.bounce import dsn
-from queues.bounce import rule as dsn_rule
 from queues.bounce.notify import notify
 from queues.bulk import field_columns, insert_json
 from queues.dberrors import is_outage
 from queues.models import (
     Attempt,
     AttemptOutcome,
-    AttemptPhase,
     DeliveryType,
     Event,
     EventLevel,
@@ -48,7 +47,6 @@ from queues.models import (
     Message,
     Recipient,
 )
-from queues.outcomes import LinkOutcome, RecipientOutcome, RoundOutcome, Verdict
 from queues.placement import special_queue
 from queues.text import scrub_nul
 from tracking import hooks as tracking
@@ -199,28 +197,6 @@ def _exchange(
         finally:
             requests.put(None)
 
-    def record(first: tuple) -> list:
-        """Commit ``first`` and every other result already waiting, in one go;
-        returns the other requests taken meanwhile, in order."""
-        sent, futures, others = list(first[1]), [first[2]], []
-        while True:
-            try:
-                item = requests.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None and item[0] == "sent":
-                sent.extend(item[1])
-                futures.append(item[2])
-            else:
-                others.append(item)
-        try:
-            if record_early is not None:
-                record_early(sent)
-        finally:
-            for future in futures:
-                future.set_result(None)  # the connections go on
-        return others
-
     loop_thread = threading.Thread(target=run, name="smtp-round", daemon=True)
     loop_thread.start()
     backlog: deque = deque()
@@ -236,7 +212,7 @@ def _exchange(
         if item is None:
             break
         if item[0] == "sent":
-            backlog.extend(record(item))
+            backlog.extend(_record_waiting(requests, item, record_early))
             claim.renew_if_due()
             continue
         message_id, future = item
@@ -249,205 +225,37 @@ def _exchange(
     return outcome.result()
 
 
+def _record_waiting(
+    requests: queue.SimpleQueue,
+    first: tuple,
+    record_early: Callable[[list[RecipientResult]], None] | None,
+) -> list:
+    """Commit ``first`` (a "sent" request of ``_exchange``) and every other result
+    already waiting, in one go; returns the other requests taken meanwhile, in
+    order."""
+    sent, futures, others = list(first[1]), [first[2]], []
+    while True:
+        try:
+            item = requests.get_nowait()
+        except queue.Empty:
+            break
+        if item is not None and item[0] == "sent":
+            sent.extend(item[1])
+            futures.append(item[2])
+        else:
+            others.append(item)
+    try:
+        if record_early is not None:
+            record_early(sent)
+    finally:
+        for future in futures:
+            future.set_result(None)  # the connections go on
+    return others
+
+
 # Each finished message is recorded before its connection goes on (tests that
 # count one round's statements turn it off: the early records' number is timing).
 RECORD_EACH_MESSAGE = True
-
-
-def _unattempted(
-    messages: list[OutboundMessage], outcome: str, enhanced: str, text: str
-) -> BatchResult:
-    """One result per recipient for a round decided without connecting."""
-    now = clock.now()
-    return BatchResult(
-        results=[
-            RecipientResult(
-                recipient_id=r.id,
-                message_id=m.id,
-                outcome=outcome,
-                phase=AttemptPhase.CONNECT,
-                code=None,
-                enhanced=enhanced,
-                text=text,
-                started_at=now,
-                scope="connection",
-            )
-            for m in messages
-            for r in m.recipients
-        ],
-        connected=False,
-        connection_error=text,
-    )
-
-
-@dataclass
-class _Round:
-    """What one round decided (by ``_decide``, without the database): its pure
-    ``outcome`` (queues.outcomes), which the store's transitions write, and
-    what else ``_write`` owes in the same transaction."""
-
-    now: datetime
-    rows: dict[int, Recipient]  # the claimed rows, as loaded
-    link: retry.LinkVerdict
-    outcome: RoundOutcome
-    attempts: list[Attempt] = field(default_factory=list)
-    failed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
-    relayed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
-    hints: list[retry.RetryData] = field(default_factory=list)
-    cleared_hints: list[str] = field(default_factory=list)
-    delivered_queues: set[int] = field(default_factory=set)
-    errors_by_queue: dict[int, str] = field(default_factory=dict)
-    carried_tls: str = ""  # the TLS summary of the round's early records
-
-
-def _via_mx(link: Link) -> bool:
-    return any(not h.get("literal", False) for h in link.hosts)
-
-
-def _link_retry(link: Link) -> retry.LinkRetry:
-    return retry.LinkRetry(
-        link.failure_count, link.first_failure_at, link.next_retry_at, link.last_error_at
-    )
-
-
-def _attempt(res: RecipientResult, row: Recipient, now: datetime) -> Attempt:
-    return Attempt(
-        recipient_id=res.recipient_id,
-        message_id=res.message_id,
-        queue_id=row.queue_id,
-        started_at=res.started_at or now,
-        duration_ms=res.duration_ms,
-        host=res.host[:300],
-        ip=res.ip[:64],
-        port=res.port,
-        phase=res.phase,
-        code=res.code,
-        enhanced=res.enhanced[:16],
-        text=res.text,
-        outcome=res.outcome,
-        tls_version=res.tls_version[:16],
-        tls_cipher=res.tls_cipher[:100],
-        tls_verified=res.tls_verified[:20],
-        tls_policy=res.tls_policy[:20],
-        auth_used=res.auth_used[:20],
-    )
-
-
-def _decide(
-    link: Link,
-    batch: BatchResult,
-    rows: dict[int, Recipient],
-    senders: dict[int, str],
-    host_hints: dict[str, retry.RetryData],
-    now: datetime,
-) -> _Round:
-    """Decide what a round's results mean, without touching the database.
-
-    1. one Attempt per result;
-    2. every host that could not be used gets its retry data; a link whose
-       every host failed goes to Retry at the time its rule gives;
-    3. delivered and failed recipients become final (failed ones are owed an
-       NDR); deferred ones get their next try from the retry rule, or fail
-       when the rule's final cutoff has passed; deliveries clear retry data;
-    4. message-level 4xx failures count towards a problem message.
-    """
-    domain = next(iter(rows.values())).address.rpartition("@")[2] if rows else link.name
-    via_mx = _via_mx(link)
-    last_failure = batch.host_failures[-1] if batch.host_failures else None
-    verdict = retry.link_verdict(
-        _link_retry(link),
-        connected=batch.connected,
-        last_failure=last_failure,
-        domain=domain,
-        via_mx=via_mx,
-        now=now,
-    )
-    rnd = _Round(now, rows, verdict, RoundOutcome(now))
-    rnd.hints = retry.host_hints(
-        batch.host_failures, host_hints, domain=domain, via_mx=via_mx, now=now
-    )
-    for res in batch.results:
-        row = rows.get(res.recipient_id)
-        if row is None:  # no longer this round's (taken back, removed)
-            continue
-        rnd.attempts.append(_attempt(res, row, now))
-        rnd.outcome.recipients[row.id] = _decide_recipient(
-            rnd, res, row, senders.get(row.message_id, ""), via_mx
-        )
-    return rnd
-
-
-def _decide_recipient(
-    rnd: _Round, res: RecipientResult, row: Recipient, sender: str, via_mx: bool
-) -> RecipientOutcome:
-    """One recipient's verdict (step 3 and 4 of ``_decide``)."""
-    now = rnd.now
-    outcome = RecipientOutcome(
-        verdict=Verdict.DEFERRED,
-        tried_at=res.started_at or now,
-        code=res.code,
-        enhanced=res.enhanced[:16],
-        text=res.text,
-        host=f"{res.host} [{res.ip}]" if res.ip else res.host,
-        first_failure_at=row.first_failure_at,
-    )
-    timed_out = False
-    if res.outcome == AttemptOutcome.DEFERRED:
-        d = retry.deferral(
-            res,
-            address=row.address,
-            sender=sender,
-            first_failure_at=row.first_failure_at,
-            last_attempt_at=row.last_attempt_at,
-            next_attempt_at=row.next_attempt_at,
-            link=rnd.link,
-            via_mx=via_mx,
-            now=now,
-        )
-        outcome.first_failure_at = d.first_failure_at
-        timed_out = d.next_attempt_at is None
-        outcome.until = d.next_attempt_at
-        if d.message_failure:
-            rnd.outcome.message_failures.add(row.message_id)
-        if d.address_hint is not None:
-            rnd.hints.append(d.address_hint)
-        rnd.errors_by_queue[row.queue_id] = res.text
-    if res.outcome == AttemptOutcome.DELIVERED:
-        outcome.verdict = Verdict.DELIVERED
-        rnd.delivered_queues.add(row.queue_id)
-        rnd.cleared_hints += retry.cleared_by_delivery(row.address, sender, res.host, res.ip)
-        if dsn_rule.wants(dsn_rule.SUCCESS, row.notify, sender) and not res.peer_dsn:
-            rnd.relayed[row.message_id].append(row)
-    elif res.outcome == AttemptOutcome.FAILED or timed_out:
-        outcome.verdict = Verdict.FAILED  # kept in the Dead-letter queue
-        if timed_out:
-            outcome.text = f"retry timeout exceeded; last error: {res.text}"
-        rnd.failed[row.message_id].append(row)
-    return outcome
-
-
-@dataclass
-class _Carried:
-    """What a round's early records leave to its final record: the link's and the
-    queues' bookkeeping and the retry data that deliveries clear — written once
-    per round, not once per message."""
-
-    delivered_queues: set[int] = field(default_factory=set)
-    errors_by_queue: dict[int, str] = field(default_factory=dict)
-    cleared_hints: dict[str, None] = field(default_factory=dict)  # ordered set
-    tls: str = ""
-
-    def keep(self, rnd: _Round) -> None:
-        self.delivered_queues |= rnd.delivered_queues
-        self.errors_by_queue.update(rnd.errors_by_queue)
-        self.cleared_hints.update(dict.fromkeys(rnd.cleared_hints))
-        self.tls = _tls_summary(rnd.attempts) or self.tls
-
-    def give(self, rnd: _Round) -> None:
-        rnd.delivered_queues |= self.delivered_queues
-        rnd.errors_by_queue = {**self.errors_by_queue, **rnd.errors_by_queue}
-        rnd.cleared_hints = list(dict.fromkeys([*self.cleared_hints, *rnd.cleared_hints]))
-        rnd.carried_tls = self.tls
 
 
 def _record(
@@ -456,9 +264,9 @@ def _record(
     owner: str,
     *,
     final: bool = True,
-    carried: _Carried | None = None,
+    carried: Carried | None = None,
 ) -> None:
-    """Record one round's outcome: read what it needs, decide (``_decide``),
+    """Record one round's outcome: read what it needs, decide (``decide``),
     write it all in one transaction (``_write``).
 
     ``final`` False: an early record of finished messages while the round goes
@@ -485,7 +293,7 @@ def _record(
         rows[r.id] = r
     senders = {mid: fact[1] for mid, fact in facts.items()}
     hints = retry.stored_hints(f for f in batch.host_failures if f.host)
-    rnd = _decide(link, batch, rows, senders, hints, now)
+    rnd = decide(link, batch, rows, senders, hints, now)
     if final and carried is not None:
         carried.give(rnd)
     _write(rnd, link, batch, owner, final=final, facts=facts)
@@ -509,7 +317,7 @@ _RECIPIENT_READ_FIELDS = (
 
 
 def _write(
-    rnd: _Round,
+    rnd: Round,
     link: Link,
     batch: BatchResult,
     owner: str,
@@ -517,7 +325,7 @@ def _write(
     final: bool = True,
     facts: dict[int, tuple[str, str, str]] | None = None,
 ) -> None:
-    """Write what ``_decide`` decided, in one transaction, only to rows the round
+    """Write what ``decide`` decided, in one transaction, only to rows the round
     still owns: attempts, recipients, retry data, the NDRs and "relayed" DSNs
     owed, problem-message counters, finished messages, the link and its queues.
     ``facts``: qid, sender and Message-ID of the round's messages (tracking)."""
@@ -549,11 +357,11 @@ def _write(
         Message.objects.count_message_failures(rnd.outcome.message_failures)
         Message.objects.finish_ids({r.message_id for r in batch.results}, now)
         if final:
-            Link.objects.record_round(link, _link_outcome(rnd, batch.connection_error), now)
+            Link.objects.record_round(link, link_outcome(rnd, batch.connection_error), now)
     counters.record_delivery(rnd.attempts, rows.values())
 
 
-def _write_hints(rnd: _Round, *, forget: bool = True) -> None:
+def _write_hints(rnd: Round, *, forget: bool = True) -> None:
     """The round's retry data, in a savepoint: it is a hint (deleting it is always
     safe), so data that cannot be written is logged and dropped, never the
     round's recorded outcomes with it. A lost connection is still an outage."""
@@ -593,42 +401,7 @@ def _attempt_columns() -> list[tuple[str, str]]:
     return field_columns(Attempt, names)
 
 
-def _link_outcome(rnd: _Round, connection_error: str) -> LinkOutcome:
-    """The link's part of the round's outcome (its verdict and its queues')."""
-    verdict = rnd.link
-    return LinkOutcome(
-        failed=verdict.failed,
-        failure_count=verdict.retry.failure_count,
-        first_failure_at=verdict.retry.first_failure_at,
-        next_retry_at=verdict.retry.next_retry_at,
-        error=connection_error,
-        tls=_tls_summary(rnd.attempts) or rnd.carried_tls,
-        delivered_queues=rnd.delivered_queues,
-        errors_by_queue=rnd.errors_by_queue,
-    )
-
-
-def _tls_summary(attempts: list[Attempt]) -> str:
-    """The TLS of the round's last session for the queue list, e.g.
-    "TLSv1.3 verified (mta-sts), AUTH PLAIN" or "cleartext (policy may)"."""
-    if not attempts:
-        return ""
-    a = attempts[-1]
-    if a.tls_version:
-        how = f"verified ({a.tls_verified})" if a.tls_verified not in ("", "none") else "unverified"
-        text = f"{a.tls_version} {how}"
-    elif a.host or a.tls_policy:
-        text = "cleartext" if a.code is not None else "no session"
-    else:
-        return ""
-    if a.tls_policy:
-        text += f", policy {a.tls_policy}"
-    if a.auth_used:
-        text += f", AUTH {a.auth_used}"
-    return text[:120]
-
-
-def _notify_round(rnd: _Round) -> None:
+def _notify_round(rnd: Round) -> None:
     ids = set(rnd.failed) | set(rnd.relayed)
     if not ids:
         return
@@ -672,7 +445,7 @@ def _deliver_round(
     if not ids:
         return 0
     messages = _load_batch(ids)
-    carried = _Carried()
+    carried = Carried()
     if shaped is not None:
         config = shaped.claimed(messages)
     hops = [NextHop.from_json(h) for h in link.hosts]
@@ -681,14 +454,14 @@ def _deliver_round(
     hints = retry.stored_hints(targets)
     targets, verdict = retry.usable_targets(targets, hints, domain=domain, now=clock.now())
     if verdict == "bounce":
-        batch = _unattempted(
+        batch = unattempted(
             messages,
             AttemptOutcome.FAILED,
             "4.4.7",
             "retry time not reached for any host after a long failure period",
         )
     elif not targets:
-        batch = _unattempted(
+        batch = unattempted(
             messages, AttemptOutcome.DEFERRED, "4.4.4", error or "no address for the next hop"
         )
     else:
@@ -707,7 +480,7 @@ def _deliver_round(
             if shaped is not None:
                 shaped.observe(batch)
         else:
-            batch = _unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
+            batch = unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
     try:
         while_connected(claim, lambda: _record(link, batch, owner, carried=carried))
     except Exception as exc:
@@ -763,7 +536,7 @@ def _report_tls(batch: BatchResult) -> None:
 
 
 def _record_early(
-    link: Link, results: list[RecipientResult], owner: str, claim: Claim, carried: _Carried
+    link: Link, results: list[RecipientResult], owner: str, claim: Claim, carried: Carried
 ) -> None:
     """Record finished messages while the round goes on (a peer answered, so the
     link is reachable); the round's final record skips them, as they are no
