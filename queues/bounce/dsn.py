@@ -261,6 +261,49 @@ def truncated_header_block(prefix: bytes) -> bytes:
 # Building --------------------------------------------------------------------------
 
 
+def _check_input(kind: str, original: DsnOriginal, recipients: Sequence[DsnRecipient]) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown DSN kind {kind!r}")
+    if not recipients:
+        raise ValueError("a DSN needs at least one recipient")
+    if original.mail_from.strip() in ("", "<>"):
+        raise ValueError("no DSN is ever sent to the null sender")
+    for rcpt in recipients:
+        if rcpt.action not in ACTIONS_BY_KIND[kind]:
+            raise ValueError(f"action {rcpt.action!r} does not belong in a {kind} DSN")
+        if not _STATUS.match(rcpt.status):
+            raise ValueError(f"status {rcpt.status!r} is not an RFC 3463 code")
+
+
+def _report_header(
+    kind: str,
+    original: DsnOriginal,
+    recipients: Sequence[DsnRecipient],
+    host: str,
+    now: datetime,
+    utf8: bool,
+    boundary: str,
+    parts: Sequence[tuple[bytes, bytes]],
+) -> bytes:
+    """The report's top-level header (step 7 of ``build_dsn``)."""
+    has_8bit = any(not piece.isascii() for part in parts for piece in part)
+    report_type = "global-delivery-status" if utf8 else "delivery-status"
+    header = [
+        f"From: Mail Delivery System <MAILER-DAEMON@{host}>",
+        f"To: <{_clean(original.mail_from, utf8=utf8)}>",
+        f"Subject: {SUBJECT_BY_KIND[kind]}",
+        f"Date: {_date(now)}",
+        f"Message-ID: {_message_id(kind, original.qid, now, host, recipients)}",
+        # RFC 3834 §5: an automatic message; well-behaved responders stay quiet.
+        "Auto-Submitted: auto-replied",
+        "MIME-Version: 1.0",
+        f"Content-Type: multipart/report; report-type={report_type};",
+        f'\tboundary="{boundary}"',
+        f"Content-Transfer-Encoding: {'8bit' if has_8bit else '7bit'}",
+    ]
+    return CRLF.join(header).encode("utf-8")
+
+
 def build_dsn(
     kind: str,
     original: DsnOriginal,
@@ -297,18 +340,7 @@ def build_dsn(
        (From MAILER-DAEMON, To the sender, Subject, Date, Message-ID,
        Auto-Submitted, MIME) and join the parts, every line ending in CRLF.
     """
-    # 1. input
-    if kind not in KINDS:
-        raise ValueError(f"unknown DSN kind {kind!r}")
-    if not recipients:
-        raise ValueError("a DSN needs at least one recipient")
-    if original.mail_from.strip() in ("", "<>"):
-        raise ValueError("no DSN is ever sent to the null sender")
-    for rcpt in recipients:
-        if rcpt.action not in ACTIONS_BY_KIND[kind]:
-            raise ValueError(f"action {rcpt.action!r} does not belong in a {kind} DSN")
-        if not _STATUS.match(rcpt.status):
-            raise ValueError(f"status {rcpt.status!r} is not an RFC 3463 code")
+    _check_input(kind, original, recipients)  # 1. input
     now = _aware(now)
     data = _crlf(bytes(original.data))
     size = len(data) if original.size is None else original.size
@@ -339,22 +371,8 @@ def build_dsn(
 
     # 7. boundary, header, assembly
     boundary = _boundary(original.qid, now, host, parts)
-    has_8bit = any(not piece.isascii() for part in parts for piece in part)
-    report_type = "global-delivery-status" if utf8 else "delivery-status"
-    header = [
-        f"From: Mail Delivery System <MAILER-DAEMON@{host}>",
-        f"To: <{_clean(original.mail_from, utf8=utf8)}>",
-        f"Subject: {SUBJECT_BY_KIND[kind]}",
-        f"Date: {_date(now)}",
-        f"Message-ID: {_message_id(kind, original.qid, now, host, recipients)}",
-        # RFC 3834 §5: an automatic message; well-behaved responders stay quiet.
-        "Auto-Submitted: auto-replied",
-        "MIME-Version: 1.0",
-        f"Content-Type: multipart/report; report-type={report_type};",
-        f'\tboundary="{boundary}"',
-        f"Content-Transfer-Encoding: {'8bit' if has_8bit else '7bit'}",
-    ]
-    out = [CRLF.join(header).encode("utf-8"), b"\r\n\r\n"]
+    header = _report_header(kind, original, recipients, host, now, utf8, boundary, parts)
+    out = [header, b"\r\n\r\n"]
     # The preamble is for MIME-unaware readers only.
     out.append(b"This is a MIME-encapsulated message.\r\n\r\n")
     for head, body in parts:

@@ -176,6 +176,41 @@ def queues_recount(now: datetime) -> None:
         _recount(now)
 
 
+def _since(
+    previous: QueueSample,
+    tallies: dict[int, _Tally],
+    now: datetime,
+    attempt_mark: int,
+    message_mark: int,
+) -> tuple[float, dict[int, int], int]:
+    """Since the ``previous`` recount: its age in seconds, the depth each queue
+    had then, and the messages that arrived; each queue's delivered and failed
+    attempts go into its tally."""
+    seconds = max((now - previous.sampled_at).total_seconds(), 0.0)
+    # The depth each queue had at the previous recount (a queue without a
+    # sample then held nothing): the read path's refreshes do not move it.
+    before = dict(
+        QueueSample.objects.filter(sampled_at=previous.sampled_at, queue__isnull=False).values_list(
+            "queue_id", "depth"
+        )
+    )
+    outcomes = (
+        Attempt.objects.filter(id__gt=previous.attempt_mark, id__lte=attempt_mark)
+        .filter(queue__isnull=False)
+        .values("queue_id")
+        .annotate(
+            delivered=Count("id", filter=Q(outcome=AttemptOutcome.DELIVERED)),
+            failed=Count("id", filter=Q(outcome=AttemptOutcome.FAILED)),
+        )
+        .order_by()
+    )
+    for row in outcomes:
+        tally = tallies[row["queue_id"]]
+        tally.delivered, tally.failed = row["delivered"], row["failed"]
+    arrived = Message.objects.filter(id__gt=previous.message_mark, id__lte=message_mark).count()
+    return seconds, before, arrived
+
+
 def _recount(now: datetime) -> None:
     submission = special_queue(DeliveryType.SUBMISSION, now)
     special_queue(DeliveryType.DEAD_LETTER, now)  # shown, and counted, from the start
@@ -186,34 +221,9 @@ def _recount(now: datetime) -> None:
     previous = QueueSample.objects.filter(queue__isnull=True).order_by("-sampled_at", "-id").first()
     attempt_mark = Attempt.objects.aggregate(m=Max("id"))["m"] or 0
     message_mark = Message.objects.aggregate(m=Max("id"))["m"] or 0
-    seconds = 0.0
-    arrived_total = 0
-    before: dict[int, int] = {}
+    seconds, before, arrived_total = 0.0, {}, 0
     if previous is not None:
-        seconds = max((now - previous.sampled_at).total_seconds(), 0.0)
-        # The depth each queue had at the previous recount (a queue without a
-        # sample then held nothing): the read path's refreshes do not move it.
-        before = dict(
-            QueueSample.objects.filter(
-                sampled_at=previous.sampled_at, queue__isnull=False
-            ).values_list("queue_id", "depth")
-        )
-        outcomes = (
-            Attempt.objects.filter(id__gt=previous.attempt_mark, id__lte=attempt_mark)
-            .filter(queue__isnull=False)
-            .values("queue_id")
-            .annotate(
-                delivered=Count("id", filter=Q(outcome=AttemptOutcome.DELIVERED)),
-                failed=Count("id", filter=Q(outcome=AttemptOutcome.FAILED)),
-            )
-            .order_by()
-        )
-        for row in outcomes:
-            tally = tallies[row["queue_id"]]
-            tally.delivered, tally.failed = row["delivered"], row["failed"]
-        arrived_total = Message.objects.filter(
-            id__gt=previous.message_mark, id__lte=message_mark
-        ).count()
+        seconds, before, arrived_total = _since(previous, tallies, now, attempt_mark, message_mark)
 
     queues = list(Queue.objects.all())
     changed: list[Queue] = []
