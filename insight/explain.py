@@ -30,6 +30,7 @@ from django.db.models import Q
 from delivery.smtp import retry
 from delivery.smtp.retryrules import Rule, parse_rules
 from delivery.smtp.retryschedule import projected_schedule
+from queues.bounce import rule as dsn_rule
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     Attempt,
@@ -494,12 +495,9 @@ def _explain_recipient(
     tries, cutoff_at = schedule_after(rule, first_failed, now, message.expires_at)
     schedule += [{"at": t, "kind": "retry"} for t in tries]
     delay_at = None
-    notify = r.notify.upper()
     if (
         not r.delay_dsn_sent
-        and message.mail_from
-        and "NEVER" not in notify
-        and (not notify or "DELAY" in notify)
+        and dsn_rule.wants(dsn_rule.DELAY, r.notify, message.mail_from)
         and message.source != "dsn"
     ):
         delay_at = message.received_at + settings.MAILRELAY_DELAY_NOTIFICATION_TIMEOUT

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from email.header import decode_header, make_header
 from email.utils import getaddresses
 
+from queues.text import scrub_nul
+
 # Where the header fields end: at the empty line after them; at a final line
 # end or the end of the data when the message is all header; at once when it
 # starts with an empty line (no header fields). LF alone counts as a line end.
@@ -83,7 +85,7 @@ def inspect_headers(data: bytes | bytearray) -> HeaderInfo:
         elif name == "received":
             received += 1
     # Copied into text columns: PostgreSQL text cannot hold NUL.
-    return HeaderInfo(message_id.replace("\x00", ""), subject.replace("\x00", ""), received, end)
+    return HeaderInfo(scrub_nul(message_id, ""), scrub_nul(subject, ""), received, end)
 
 
 def author_addresses(data: bytes | bytearray) -> list[tuple[str, str]]:

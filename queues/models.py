@@ -11,6 +11,8 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+from queues.retrydata import RetryHintQuerySet
+
 # The states live in queues.states (the transitions use them too); re-exported
 # here because every caller knows them as queues.models.*.
 from queues.states import (  # noqa: F401
@@ -28,8 +30,8 @@ from queues.states import (  # noqa: F401
 from queues.transitions import (
     LinkQuerySet,
     MessageQuerySet,
+    QueueQuerySet,
     RecipientQuerySet,
-    RetryHintQuerySet,
 )
 
 
@@ -99,6 +101,8 @@ class Queue(models.Model):
     outgoing_rate = models.FloatField(default=0)  # messages per minute leaving (delivered/failed)
     oldest_received_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField()
+
+    objects = QueueQuerySet.as_manager()
 
     class Meta:
         constraints = [

@@ -44,14 +44,14 @@ def queue_for_route(
         # Re-routed by an operator (queues.services.reroute): the queue stays on
         # its override link; the route's link is where it returns at the end.
         if queue.reroute_from_id != link.pk:
-            Queue.objects.filter(pk=queue.pk).update(reroute_from=link)
+            Queue.objects.filter(pk=queue.pk).learn_route(link.pk)
     elif not created and queue.link_id != link.pk:
         # Only while the queue is still not re-routed: a re-route committed since
         # we read the row keeps its override link (and learns the new route).
         if Queue.objects.filter(pk=queue.pk, reroute_to="").update(link=link):
             queue.link = link
         else:
-            Queue.objects.filter(pk=queue.pk).update(reroute_from=link)
+            Queue.objects.filter(pk=queue.pk).learn_route(link.pk)
             queue.refresh_from_db(fields=["link", "reroute_to", "reroute_from"])
     return queue
 

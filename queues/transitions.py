@@ -1,9 +1,18 @@
 """Every state transition of the queue store, written once.
 
-The categorizer, delivery, the sweep and the operator actions change the
-state of messages, recipients and links only through these QuerySet methods
-(``Message.objects``, ``Recipient.objects``, ``Link.objects``), so the rules of
-ownership are written in one place:
+The store owns every state word: a Message's state, suspension, problem and
+poison counters and lease; a Recipient's state and lease; a Link's state and
+lease; a Queue's suspension and re-route. Nothing outside this module writes
+them (tests/test_state_writes.py scans the source). The categorizer,
+delivery, the sweep and the operator actions (UI, API, CLI alike) change them
+only through these QuerySet methods (``Message.objects``,
+``Recipient.objects``, ``Link.objects``, ``Queue.objects``): one transition
+each for back to Submission (``resubmit``), suspend and resume, revive,
+poison, re-route. The engine hands over pure outcomes (``queues.outcomes``:
+a round's ``record_round``), never a state word. The models are looked up
+by name (``_model``): they import this module for their managers.
+
+The rules of ownership are written here too:
 
 - **A claim has an owner and a lease.** Whoever claims rows (a categorizer
   batch, a delivery round, a link's delivery task) writes its owner token and
@@ -25,48 +34,46 @@ transaction); none loads message bodies.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
+import os
+import socket
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 
+from django.apps import apps
+from django.conf import settings
 from django.db import connection, models, transaction
-from django.db.models import Exists, F, Lookup, OuterRef, Q
-from django.db.models.lookups import In
+from django.db.models import Exists, F, OuterRef, Q
 
+from queues.bulk import field_columns, update_json
+from queues.lookups import postgresql
+from queues.outcomes import LinkOutcome, RecipientOutcome, Verdict
 from queues.states import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
+    DeliveryType,
+    LinkState,
     MessageState,
     RecipientState,
 )
 
 
-class AnyOf(Lookup):
-    """``filter(id__any=ids)``: ``id = ANY(%s)`` with the ids as one array parameter
-    on PostgreSQL (an ``IN (%s, %s, …)`` list of hundreds of ids costs psycopg's
-    client-side binding and Django's compiler a placeholder each, and makes
-    every batch size a new statement); an ``IN`` list elsewhere."""
-
-    lookup_name = "any"
-    prepare_rhs = False
-
-    def as_sql(self, compiler, connection):  # type: ignore[no-untyped-def]
-        if connection.vendor != "postgresql":
-            return In(self.lhs, list(self.rhs)).as_sql(compiler, connection)
-        lhs, params = self.process_lhs(compiler, connection)
-        # The base type without its length: an explicit cast to varchar(n)
-        # truncates, and a longer value would then match another row.
-        cast = self.lhs.output_field.cast_db_type(connection).partition("(")[0]
-        return f"{lhs} = ANY(%s::{cast}[])", [*params, list(self.rhs)]
+def _model(name: str) -> type[models.Model]:
+    """A model of the store by name: the models import this module for their
+    managers, so this module never imports them (no cycle)."""
+    return apps.get_model("queues", name)
 
 
-models.Field.register_lookup(AnyOf)
-models.ForeignObject.register_lookup(AnyOf)  # its lookups stop at ForeignObject
+def new_owner() -> str:
+    """An owner token for a claim (a categorizer batch, a link's delivery task, a
+    webhook sender): host, process and a random part, unique among the live."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def postgresql() -> bool:
-    """Whether the hot paths may use their hand-written PostgreSQL statements."""
-    return connection.vendor == "postgresql"
+def poisoned(crash_count: int) -> bool:
+    """The poison rule: a message whose processing crashed its worker more than
+    MAILRELAY_POISON_THRESHOLD times is parked in the Poison queue."""
+    return crash_count > settings.MAILRELAY_POISON_THRESHOLD
 
 
 # The categorizer's claim in one statement (PostgreSQL): a message to be tried
@@ -223,16 +230,14 @@ class MessageQuerySet(models.QuerySet):
             return cur.rowcount
 
     def with_submitted_recipients(self) -> MessageQuerySet:
-        from queues.models import Recipient
-
+        Recipient = _model("Recipient")
         return self.filter(
             Exists(Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.SUBMITTED))
         )
 
     def finish(self, now: datetime) -> int:
         """Mark done the messages whose every recipient reached a final state."""
-        from queues.models import Recipient
-
+        Recipient = _model("Recipient")
         pending = Recipient.objects.filter(message=OuterRef("pk")).exclude(
             state__in=FINAL_RECIPIENT_STATES
         )
@@ -270,8 +275,7 @@ class MessageQuerySet(models.QuerySet):
         """Messages that crashed their workers too often: suspended, their
         unfinished recipients parked in the Poison queue (an operator releases
         them with resume or resubmit)."""
-        from queues.models import Recipient
-
+        Recipient = _model("Recipient")
         ids = list(self.values_list("id", flat=True))
         Recipient.objects.filter(message_id__in=ids).exclude(
             state__in=FINAL_RECIPIENT_STATES
@@ -283,6 +287,64 @@ class MessageQuerySet(models.QuerySet):
         )
         return self.model.objects.filter(id__in=ids).update(
             state=MessageState.QUEUED, suspended=True, lease_owner="", lease_until=None
+        )
+
+    # --- the operator's transitions (queues.services) and the poison guard ----------
+
+    def suspend(self, until: datetime | None, by: str) -> int:
+        """Hold messages (not finished ones, not held already): nothing of theirs
+        is categorized or delivered until resumed (by hand, or at ``until``)."""
+        return (
+            self.filter(suspended=False)
+            .exclude(state=MessageState.DONE)
+            .update(suspended=True, suspended_until=until, suspended_by=by[:150])
+        )
+
+    def resume(self) -> int:
+        """Release held messages (a timed suspension's end runs this too)."""
+        return (
+            self.filter(suspended=True)
+            .exclude(state=MessageState.DONE)
+            .update(suspended=False, suspended_until=None, suspended_by="")
+        )
+
+    def unpoison(self) -> int:
+        """An operator tries again: the poison suspension and crash count cleared."""
+        return self.update(suspended=False, crash_count=0, isolate=False)
+
+    def count_crash(self) -> list[int]:
+        """A crash while these messages were worked on (a delivery round whose
+        recording raised): counted; returns the ids now poisoned (``poisoned``)."""
+        self.update(crash_count=F("crash_count") + 1)
+        return [
+            mid
+            for mid, crashes in self.model.objects.filter(pk__in=self.values("pk")).values_list(
+                "id", "crash_count"
+            )
+            if poisoned(crashes)
+        ]
+
+    def count_message_failures(self, ids: Iterable[int]) -> None:
+        """A message-level 4xx (the peer refused the message, not a recipient):
+        counted; past MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM the message is
+        a problem message (Exchange)."""
+        ids = list(ids)
+        if not ids:
+            return
+        threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
+        self.filter(id__in=ids).update(per_message_failures=F("per_message_failures") + 1)
+        self.filter(id__in=ids, per_message_failures__gte=threshold).update(problem=True)
+
+    def revive(self, now: datetime, expires_at: datetime) -> int:
+        """Finished messages whose dead letters were revived: to Submission, with
+        a fresh expiry and their problem counters cleared (MSMQ)."""
+        return self.update(
+            state=MessageState.SUBMISSION,
+            next_attempt_at=now,
+            completed_at=None,
+            expires_at=expires_at,
+            per_message_failures=0,
+            problem=False,
         )
 
     def reclaim_expired(self, now: datetime) -> int:
@@ -447,50 +509,50 @@ class RecipientQuerySet(models.QuerySet):
     def renew(self, owner: str, until: datetime) -> int:
         return self.owned_by(owner).update(lease_until=until)
 
-    def record(self, rows: Iterable, fields: Sequence[str]) -> None:
-        """A round's results: each row's new state (delivered, deferred with its
-        next try, failed), its attempt count and last reply, its claim cleared;
-        one UPDATE … FROM VALUES for the round. Callers lock the rows first and
-        pass only those the round still owns."""
-        from queues.bulk import bulk_update_rows
+    def record_round(
+        self,
+        rows: Mapping[int, models.Model],
+        outcomes: Mapping[int, RecipientOutcome],
+        owner: str,
+        dead_letter_id: int | None,
+        now: datetime,
+    ) -> set[int]:
+        """A round's outcome written: each recipient's verdict becomes its state
+        (delivered and failed are final, failed ones kept in the Dead-letter
+        queue ``dead_letter_id``; deferred ones wait until their next try), its
+        attempt counted, its last reply kept, its claim cleared.
 
-        bulk_update_rows(list(rows), list(fields))
-
-    def record_owned(self, rows: Sequence, fields: Sequence[str], owner: str) -> set[int]:
-        """``record`` fenced in the same statement: only rows still held by the
-        round ``owner`` (ACTIVE with its token) are written, and locked until
-        the caller's transaction ends; returns their ids. On PostgreSQL one
-        ``UPDATE … FROM jsonb_to_recordset(…) … RETURNING id`` for the round."""
-        if not rows:
+        Fenced in the same statement: only rows still held by the round ``owner``
+        (ACTIVE with its token) are written, and locked until the caller's
+        transaction ends; returns their ids. ``rows`` (the round's loaded rows)
+        are updated in place, for the NDRs and counters that follow. On
+        PostgreSQL one ``UPDATE … FROM jsonb_to_recordset(…) … RETURNING id``.
+        """
+        if not outcomes:
             return set()
+        written = [_apply(rows[rid], o, dead_letter_id, now) for rid, o in outcomes.items()]
         if not postgresql():
-            ids = [row.pk for row in rows]
+            from queues.bulk import bulk_update_rows
+
             kept = set(
                 self.model.objects.select_for_update()
-                .filter(id__in=ids)
+                .filter(id__in=[row.pk for row in written])
                 .owned_by(owner)
                 .values_list("id", flat=True)
             )
-            self.record([row for row in rows if row.pk in kept], fields)
+            bulk_update_rows([row for row in written if row.pk in kept], _RECORDED)
             return kept
-        meta = self.model._meta
-        columns = [meta.get_field(name) for name in fields]
-        names = [f.column for f in columns]
-        typed = ", ".join(f"{f.column} {_json_column_type(f)}" for f in columns)
-        batch = [[row.pk, *(getattr(row, f.attname) for f in columns)] for row in rows]
-        sql = (
-            f"UPDATE {meta.db_table} AS t SET "
-            + ", ".join(f"{n} = v.{n}" for n in names)
-            + f" FROM jsonb_to_recordset(%s::jsonb) AS v(id bigint, {typed}) "
-            "WHERE t.id = v.id AND t.state = %s AND t.lease_owner = %s RETURNING t.id"
+        columns = field_columns(self.model, _RECORDED)
+        names = [self.model._meta.get_field(name).attname for name in _RECORDED]
+        pairs = [(column, name) for (column, _), name in zip(columns, names, strict=True)]
+        batch = [{"id": row.pk, **{c: getattr(row, n) for c, n in pairs}} for row in written]
+        return update_json(
+            self.model._meta.db_table,
+            columns,
+            batch,
+            where="t.state = %s AND t.lease_owner = %s",
+            params=[RecipientState.ACTIVE, owner],
         )
-        payload = json.dumps(
-            [dict(zip(["id", *names], values, strict=True)) for values in batch],
-            default=_json_value,
-        )
-        with connection.cursor() as cur:
-            cur.execute(sql, [payload, RecipientState.ACTIVE, owner])
-            return {row[0] for row in cur.fetchall()}
 
     def release(self, now: datetime) -> int:
         """Claimed rows a round never tried (it stopped early): waiting again, due now."""
@@ -518,6 +580,45 @@ class RecipientQuerySet(models.QuerySet):
             lease_until=None,
         )
 
+    def resubmit(self, now: datetime) -> int:
+        """ "Back to Submission", the one transition: these recipients, those waiting
+        (not of a message the categorizer holds), go back to the categorizer,
+        and their messages to Submission. Recipients parked in Poison come back
+        too: their message loses its poison suspension and crash count (someone
+        decided to try again). Returns how many recipients moved. Used by the
+        operator's resubmit, resume and retry, the end of a re-route, the sweep
+        (Unreachable due again, a link idle too long)."""
+        Message = _model("Message")
+        waiting = self.filter(state__in=WAITING_RECIPIENT_STATES).exclude(
+            message__state=MessageState.CATEGORIZING
+        )
+        parked = waiting.filter(queue__delivery_type=DeliveryType.POISON).values("message_id")
+        Message.objects.filter(id__in=parked).unpoison()
+        Message.objects.filter(id__in=waiting.values("message_id")).back_to_submission(now)
+        return waiting.back_to_submission(now)
+
+    def revive(self, now: datetime) -> set[int]:
+        """Dead letters (failed or expired recipients of finished messages) get a
+        new life: back to the categorizer, their tries forgotten, their messages
+        with a fresh expiry (MSMQ). Returns the revived messages' ids."""
+        Message = _model("Message")
+        revived = set(self.values_list("message_id", flat=True))
+        if not revived:
+            return revived
+        self.update(
+            queue=None,
+            state=RecipientState.SUBMITTED,
+            next_attempt_at=now,
+            final_at=None,
+            attempt_count=0,
+            first_failure_at=None,
+            delay_dsn_sent=False,
+            lease_until=None,
+        )
+        expires_at = now + settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT
+        Message.objects.filter(id__in=revived).revive(now, expires_at)
+        return revived
+
     def reclaim_expired(self, now: datetime) -> int:
         """Rounds whose owner stopped renewing (killed, cut off from the database):
         their recipients wait again, due now."""
@@ -526,6 +627,49 @@ class RecipientQuerySet(models.QuerySet):
             return _not_locked(expired).update(
                 state=RecipientState.QUEUED, lease_owner="", lease_until=None, next_attempt_at=now
             )
+
+
+# What a round writes of each recipient (record_round).
+_RECORDED = [
+    "state",
+    "attempt_count",
+    "last_attempt_at",
+    "last_code",
+    "last_enhanced",
+    "last_text",
+    "last_host",
+    "lease_owner",
+    "lease_until",
+    "final_at",
+    "first_failure_at",
+    "next_attempt_at",
+    "queue_id",
+]
+_FINAL = {Verdict.DELIVERED: RecipientState.DELIVERED, Verdict.FAILED: RecipientState.FAILED}
+
+
+def _apply(
+    row: models.Model, outcome: RecipientOutcome, dead_letter_id: int | None, now: datetime
+) -> models.Model:
+    """A recipient's outcome on its loaded row (record_round writes it); a final
+    one is final as of the round's ``now``."""
+    row.attempt_count += 1
+    row.lease_owner, row.lease_until = "", None
+    row.last_attempt_at = outcome.tried_at
+    row.last_code = outcome.code
+    row.last_enhanced = outcome.enhanced
+    row.last_text = outcome.text
+    row.last_host = outcome.host
+    row.first_failure_at = outcome.first_failure_at
+    if outcome.verdict == Verdict.DEFERRED:
+        row.state = RecipientState.DEFERRED
+        if outcome.until is not None:
+            row.next_attempt_at = outcome.until
+    else:
+        row.state, row.final_at = _FINAL[outcome.verdict], now
+        if outcome.verdict == Verdict.FAILED:
+            row.queue_id = dead_letter_id
+    return row
 
 
 def _not_locked(expired: models.QuerySet) -> models.QuerySet:
@@ -537,17 +681,6 @@ def _not_locked(expired: models.QuerySet) -> models.QuerySet:
     return expired.model.objects.filter(
         pk__in=expired.select_for_update(skip_locked=True).values("pk")
     )
-
-
-def _json_column_type(field: models.Field) -> str:
-    """The column type of a field in a jsonb_to_recordset() column list."""
-    if isinstance(field, models.ForeignKey):
-        return "bigint"
-    return field.cast_db_type(connection) or "text"
-
-
-def _json_value(value: object) -> str:
-    return value.isoformat() if isinstance(value, datetime) else str(value)
 
 
 class LinkQuerySet(models.QuerySet):
@@ -574,28 +707,66 @@ class LinkQuerySet(models.QuerySet):
     def unowned(self, now: datetime) -> LinkQuerySet:
         return self.filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
 
+    def record_round(self, link: models.Model, outcome: LinkOutcome, now: datetime) -> None:
+        """A round's verdict on its link: READY, or RETRY when every host failed
+        (with the retry clock the rule gave); the queues that delivered, and the
+        last error of those that deferred, noted. ``link`` is updated in place."""
+        Queue = _model("Queue")
+        link.failure_count = outcome.failure_count
+        link.first_failure_at = outcome.first_failure_at
+        link.next_retry_at = outcome.next_retry_at
+        if outcome.failed:
+            link.state = LinkState.RETRY
+            link.last_error, link.last_error_at = outcome.error, now
+        else:
+            link.state = LinkState.READY
+        if outcome.delivered_queues:
+            Queue.objects.filter(id__in=outcome.delivered_queues).update(last_delivery_at=now)
+            link.last_success_at = now
+        for queue_id, text in outcome.errors_by_queue.items():
+            Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
+        if outcome.tls:
+            link.last_tls = outcome.tls
+        link.save(update_fields=_LINK_RECORDED)
 
-class RetryHintQuerySet(models.QuerySet):
-    """Exim's retry data, stored (the rules and the arithmetic live in delivery.smtp.retry)."""
 
-    FIELDS = ("first_failed", "last_tried", "next_try", "expired", "error", "text")
+_LINK_RECORDED = [
+    "state",
+    "failure_count",
+    "first_failure_at",
+    "next_retry_at",
+    "last_error",
+    "last_error_at",
+    "last_success_at",
+    "last_tls",
+]
 
-    def load(self, keys: Iterable[str]) -> dict:
-        return {h.key: h for h in self.filter(key__in=list(set(keys)))}
 
-    def save(self, hints: Iterable) -> None:
-        """Insert or update one row per key (the last one given wins)."""
-        rows = {h.key: h for h in hints}
-        if rows:
-            self.bulk_create(
-                list(rows.values()),
-                update_conflicts=True,
-                unique_fields=["key"],
-                update_fields=list(self.FIELDS),
-            )
+class QueueQuerySet(models.QuerySet):
+    """A queue's suspension and re-route (queues.services.actions, .reroute, the
+    categorizer's placement)."""
 
-    def clear(self, keys: Iterable[str]) -> None:
-        """A success deletes the data (that resets Exim's retry clock)."""
-        keys = list(set(keys))
-        if keys:
-            self.filter(key__any=keys).delete()
+    def suspend(self, until: datetime | None, by: str) -> int:
+        return self.update(suspended=True, suspended_until=until, suspended_by=by[:150])
+
+    def resume(self) -> int:
+        return self.update(suspended=False, suspended_until=None, suspended_by="")
+
+    def reroute(
+        self, link_id: int, *, to: str, until: datetime | None, by: str, home: int | None
+    ) -> int:
+        """Delivered over ``link_id`` instead, until ``until``; ``home`` is the link
+        to return to at the end."""
+        return self.update(
+            link=link_id, reroute_to=to, reroute_until=until, reroute_by=by[:150], reroute_from=home
+        )
+
+    def unroute(self, link_id: int | None) -> int:
+        """The re-route ended: back on ``link_id`` (the link it came from)."""
+        return self.update(
+            link=link_id, reroute_to="", reroute_until=None, reroute_by="", reroute_from=None
+        )
+
+    def learn_route(self, link_id: int) -> int:
+        """A re-routed queue's route changed meanwhile: it returns there at the end."""
+        return self.update(reroute_from=link_id)

@@ -18,6 +18,7 @@ from celery import current_app
 from django.db import connection, transaction
 
 from queues import clock
+from queues.bulk import jsonb_payload, jsonb_rows
 from tracking.events import webhook_type
 from tracking.models import WebhookDelivery, WebhookEndpoint
 
@@ -92,8 +93,11 @@ PG_INSERT = (
     f"INSERT INTO {TABLE} (endpoint_id, event_id, event, body, state, created_at, "
     "next_attempt_at, attempts, lease_owner, last_error) "
     "SELECT x.endpoint_id, x.event_id, x.event, x.body, 'pending', %s, %s, 0, '', '' "
-    "FROM jsonb_to_recordset(%s::jsonb) AS x(endpoint_id bigint, event_id uuid, event text, "
-    f"body text) JOIN {ENDPOINTS} e ON e.id = x.endpoint_id FOR KEY SHARE OF e"
+    "FROM "
+    + jsonb_rows(
+        "x", [("endpoint_id", "bigint"), ("event_id", "uuid"), ("event", "text"), ("body", "text")]
+    )
+    + f" JOIN {ENDPOINTS} e ON e.id = x.endpoint_id FOR KEY SHARE OF e"
 )
 # SQLite serialises writers: a row only for an endpoint that exists now.
 SQLITE_INSERT = (
@@ -126,7 +130,7 @@ def enqueue(rows: Sequence[Any]) -> int:
             batch = [
                 {"endpoint_id": e, "event_id": str(i), "event": t, "body": b} for e, i, t, b in out
             ]
-            cur.execute(PG_INSERT, [now, now, json.dumps(batch)])
+            cur.execute(PG_INSERT, [now, now, jsonb_payload(batch)])
         else:
             when = connection.ops.adapt_datetimefield_value(now)
             cur.executemany(SQLITE_INSERT, [(e, i.hex, t, b, when, when, e) for e, i, t, b in out])

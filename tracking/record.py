@@ -19,6 +19,8 @@ from typing import Any
 
 from django.db import DatabaseError, connection, transaction
 
+from queues.bulk import insert_json
+from queues.text import scrub_nul
 from tracking import eventlog, outbox
 
 log = logging.getLogger(__name__)
@@ -83,12 +85,7 @@ PG_TYPES = {
     "code": "smallint",
     "detail": "jsonb",
 }
-PG_INSERT = (
-    f"INSERT INTO tracking_event ({', '.join(COLUMNS)}) SELECT {', '.join(COLUMNS)} "
-    "FROM jsonb_to_recordset(%s::jsonb) AS x("
-    + ", ".join(f"{c} {PG_TYPES.get(c, 'text')}" for c in COLUMNS)
-    + ")"
-)
+PG_COLUMNS = [(c, PG_TYPES.get(c, "text")) for c in COLUMNS]  # queues.bulk.insert_json
 SQLITE_INSERT = (
     f"INSERT INTO tracking_event ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
 )
@@ -98,8 +95,7 @@ def new(event: str, at: datetime, **fields: Any) -> Row:
     """A tracking row with its stable event id; text cut to its column, NUL replaced."""
     for name, value in fields.items():
         if type(value) is str and value:
-            if "\x00" in value:  # PostgreSQL text holds no NUL; a peer's reply may
-                value = value.replace("\x00", "\ufffd")
+            value = scrub_nul(value)  # PostgreSQL text holds no NUL; a peer's reply may
             limit = LIMITS.get(name)
             fields[name] = value[:limit] if limit else value
     return Row(event, at, **fields)
@@ -109,17 +105,16 @@ def _detail(row: Row) -> str:
     return json.dumps(row.detail, separators=(",", ":"), default=str)
 
 
-def _json_default(value: Any) -> str:
-    return value.isoformat() if isinstance(value, datetime) else str(value)
+def _as_dict(row: Row) -> dict[str, Any]:
+    return {name: getattr(row, name) for name in COLUMNS}
 
 
 def insert(rows: Sequence[Row]) -> None:
     """One INSERT for the batch, in the caller's transaction."""
+    if connection.vendor == "postgresql":
+        insert_json("tracking_event", PG_COLUMNS, [_as_dict(r) for r in rows])
+        return
     with connection.cursor() as cur:
-        if connection.vendor == "postgresql":
-            batch = [{name: getattr(r, name) for name in COLUMNS} for r in rows]
-            cur.execute(PG_INSERT, [json.dumps(batch, default=_json_default)])
-            return
         adapt_time = connection.ops.adapt_datetimefield_value
         params = []
         for r in rows:

@@ -24,13 +24,11 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
-import os
 import queue
 import socket
 import ssl
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -41,6 +39,7 @@ from django.db import transaction
 from django.db.models import Case, F, Q, TextField, Value, When
 
 from queues import clock
+from queues.transitions import new_owner
 from tracking import signing
 from tracking.endpoints import EndpointError, is_public, normalize_url, resolve
 from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint
@@ -68,7 +67,7 @@ class PostResult:
 
 
 def owner_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return new_owner()  # the store's one owner token
 
 
 def backoff(attempts: int) -> timedelta:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +18,7 @@ from delivery.qmgr.ownership import Claim, while_connected
 from delivery.route.routing import Router
 from delivery.smtp import retry
 from delivery.smtp.types import Route, RouteError
-from queues import clock, counters
+from queues import clock, counters, transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
 from queues.dberrors import is_outage
@@ -45,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return transitions.new_owner()
 
 
 @dataclass
@@ -247,8 +244,7 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     if not claimed:
         return 0
     ids = [mid for mid, _ in claimed]
-    threshold = settings.MAILRELAY_POISON_THRESHOLD
-    poisoned = {mid for mid, crashes in claimed if crashes > threshold}
+    poisoned = {mid for mid, crashes in claimed if transitions.poisoned(crashes)}
     if poisoned:
         park_poison(sorted(poisoned))
         ids = [i for i in ids if i not in poisoned]

@@ -78,9 +78,7 @@ def _resubmit_due_unreachable(report: SweepReport) -> None:
         ids = list(rows.values_list("id", flat=True)[:10000])
         if not ids:
             return
-        message_ids = set(Recipient.objects.filter(id__in=ids).values_list("message_id", flat=True))
-        Recipient.objects.filter(id__in=ids).back_to_submission(now)
-        Message.objects.filter(id__in=message_ids).back_to_submission(now)
+        Recipient.objects.filter(id__in=ids).resubmit(now)
     report.unreachable_resubmitted = len(ids)
 
 
@@ -207,8 +205,7 @@ def _auto_resubmit(report: SweepReport) -> None:
             # Set-based, re-checked by the UPDATE itself: rows claimed by a delivery
             # meanwhile (ACTIVE) are left alone.
             waiting = Recipient.objects.filter(queue__link=link).waiting()
-            Message.objects.filter(id__in=waiting.values("message_id")).back_to_submission(now)
-            moved = waiting.back_to_submission(now)
+            moved = waiting.resubmit(now)
             # The idle window starts again, so this happens once per window.
             Link.objects.filter(pk=link.pk).update(first_failure_at=now)
             Event.objects.create(

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime
-from functools import partial
+from functools import cache, partial
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F
 
 from delivery.qmgr.categorize import park_poison, worker_id
 from delivery.qmgr.ownership import Claim, while_connected, while_renewing
@@ -26,6 +24,7 @@ from delivery.shaping import gate as shaping_gate
 from delivery.smtp import retry
 from delivery.smtp import tls as tls_policy
 from delivery.smtp.client import ClientConfig, deliver
+from delivery.smtp.outcome import Carried, Round, decide, link_outcome, unattempted
 from delivery.smtp.types import (
     BatchResult,
     NextHop,
@@ -36,23 +35,21 @@ from delivery.smtp.types import (
 from queues import clock, counters
 from queues.bounce import dsn
 from queues.bounce.notify import notify
+from queues.bulk import field_columns, insert_json
 from queues.dberrors import is_outage
 from queues.models import (
     Attempt,
     AttemptOutcome,
-    AttemptPhase,
     DeliveryType,
     Event,
     EventLevel,
     Link,
-    LinkState,
     Message,
-    Queue,
     Recipient,
-    RecipientState,
 )
 from queues.placement import special_queue
 from queues.signals import attempts_recorded
+from queues.text import scrub_nul
 
 log = logging.getLogger(__name__)
 
@@ -200,28 +197,6 @@ def _exchange(
         finally:
             requests.put(None)
 
-    def record(first: tuple) -> list:
-        """Commit ``first`` and every other result already waiting, in one go;
-        returns the other requests taken meanwhile, in order."""
-        sent, futures, others = list(first[1]), [first[2]], []
-        while True:
-            try:
-                item = requests.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None and item[0] == "sent":
-                sent.extend(item[1])
-                futures.append(item[2])
-            else:
-                others.append(item)
-        try:
-            if record_early is not None:
-                record_early(sent)
-        finally:
-            for future in futures:
-                future.set_result(None)  # the connections go on
-        return others
-
     loop_thread = threading.Thread(target=run, name="smtp-round", daemon=True)
     loop_thread.start()
     backlog: deque = deque()
@@ -237,7 +212,7 @@ def _exchange(
         if item is None:
             break
         if item[0] == "sent":
-            backlog.extend(record(item))
+            backlog.extend(_record_waiting(requests, item, record_early))
             claim.renew_if_due()
             continue
         message_id, future = item
@@ -250,198 +225,37 @@ def _exchange(
     return outcome.result()
 
 
+def _record_waiting(
+    requests: queue.SimpleQueue,
+    first: tuple,
+    record_early: Callable[[list[RecipientResult]], None] | None,
+) -> list:
+    """Commit ``first`` (a "sent" request of ``_exchange``) and every other result
+    already waiting, in one go; returns the other requests taken meanwhile, in
+    order."""
+    sent, futures, others = list(first[1]), [first[2]], []
+    while True:
+        try:
+            item = requests.get_nowait()
+        except queue.Empty:
+            break
+        if item is not None and item[0] == "sent":
+            sent.extend(item[1])
+            futures.append(item[2])
+        else:
+            others.append(item)
+    try:
+        if record_early is not None:
+            record_early(sent)
+    finally:
+        for future in futures:
+            future.set_result(None)  # the connections go on
+    return others
+
+
 # Each finished message is recorded before its connection goes on (tests that
 # count one round's statements turn it off: the early records' number is timing).
 RECORD_EACH_MESSAGE = True
-
-
-def _unattempted(
-    messages: list[OutboundMessage], outcome: str, enhanced: str, text: str
-) -> BatchResult:
-    """One result per recipient for a round decided without connecting."""
-    now = clock.now()
-    return BatchResult(
-        results=[
-            RecipientResult(
-                recipient_id=r.id,
-                message_id=m.id,
-                outcome=outcome,
-                phase=AttemptPhase.CONNECT,
-                code=None,
-                enhanced=enhanced,
-                text=text,
-                started_at=now,
-                scope="connection",
-            )
-            for m in messages
-            for r in m.recipients
-        ],
-        connected=False,
-        connection_error=text,
-    )
-
-
-@dataclass
-class _Round:
-    """What one round decided (by ``_decide``, without the database), written by
-    ``_write`` in one transaction."""
-
-    now: datetime
-    rows: dict[int, Recipient]  # the claimed rows, with their new state set
-    link: retry.LinkVerdict
-    attempts: list[Attempt] = field(default_factory=list)
-    failed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
-    relayed: dict[int, list[Recipient]] = field(default_factory=lambda: defaultdict(list))
-    message_failures: set[int] = field(default_factory=set)
-    hints: list[retry.RetryData] = field(default_factory=list)
-    cleared_hints: list[str] = field(default_factory=list)
-    delivered_queues: set[int] = field(default_factory=set)
-    errors_by_queue: dict[int, str] = field(default_factory=dict)
-    carried_tls: str = ""  # the TLS summary of the round's early records
-
-
-def _via_mx(link: Link) -> bool:
-    return any(not h.get("literal", False) for h in link.hosts)
-
-
-def _link_retry(link: Link) -> retry.LinkRetry:
-    return retry.LinkRetry(
-        link.failure_count, link.first_failure_at, link.next_retry_at, link.last_error_at
-    )
-
-
-def _clean(text: str) -> str:
-    """PostgreSQL text cannot hold NUL; a peer's reply may."""
-    return text.replace("\x00", "\ufffd")
-
-
-def _decide(
-    link: Link,
-    batch: BatchResult,
-    rows: dict[int, Recipient],
-    senders: dict[int, str],
-    host_hints: dict[str, retry.RetryData],
-    now: datetime,
-) -> _Round:
-    """Decide what a round's results mean, without touching the database.
-
-    1. one Attempt per result;
-    2. every host that could not be used gets its retry data; a link whose
-       every host failed goes to Retry at the time its rule gives;
-    3. delivered and failed recipients become final (failed ones are owed an
-       NDR); deferred ones get their next try from the retry rule, or fail
-       when the rule's final cutoff has passed; deliveries clear retry data;
-    4. message-level 4xx failures count towards a problem message.
-    """
-    domain = next(iter(rows.values())).address.rpartition("@")[2] if rows else link.name
-    via_mx = _via_mx(link)
-    last_failure = batch.host_failures[-1] if batch.host_failures else None
-    verdict = retry.link_verdict(
-        _link_retry(link),
-        connected=batch.connected,
-        last_failure=last_failure,
-        domain=domain,
-        via_mx=via_mx,
-        now=now,
-    )
-    rnd = _Round(now, rows, verdict)
-    rnd.hints = retry.host_hints(
-        batch.host_failures, host_hints, domain=domain, via_mx=via_mx, now=now
-    )
-    for res in batch.results:
-        row = rows.get(res.recipient_id)
-        if row is None:  # no longer this round's (taken back, removed)
-            continue
-        rnd.attempts.append(
-            Attempt(
-                recipient_id=res.recipient_id,
-                message_id=res.message_id,
-                queue_id=row.queue_id,
-                started_at=res.started_at or now,
-                duration_ms=res.duration_ms,
-                host=res.host[:300],
-                ip=res.ip[:64],
-                port=res.port,
-                phase=res.phase,
-                code=res.code,
-                enhanced=res.enhanced[:16],
-                text=res.text,
-                outcome=res.outcome,
-                tls_version=res.tls_version[:16],
-                tls_cipher=res.tls_cipher[:100],
-                tls_verified=res.tls_verified[:20],
-                tls_policy=res.tls_policy[:20],
-                auth_used=res.auth_used[:20],
-            )
-        )
-        sender = senders.get(row.message_id, "")
-        timed_out = False
-        if res.outcome == AttemptOutcome.DEFERRED:
-            d = retry.deferral(
-                res,
-                address=row.address,
-                sender=sender,
-                first_failure_at=row.first_failure_at,
-                last_attempt_at=row.last_attempt_at,
-                next_attempt_at=row.next_attempt_at,
-                link=verdict,
-                via_mx=via_mx,
-                now=now,
-            )
-            row.first_failure_at = d.first_failure_at
-            timed_out = d.next_attempt_at is None
-            if not timed_out:
-                row.next_attempt_at = d.next_attempt_at
-            if d.message_failure:
-                rnd.message_failures.add(row.message_id)
-            if d.address_hint is not None:
-                rnd.hints.append(d.address_hint)
-            rnd.errors_by_queue[row.queue_id] = res.text
-        row.attempt_count += 1
-        row.lease_owner, row.lease_until = "", None
-        row.last_attempt_at = res.started_at or now
-        row.last_code = res.code
-        row.last_enhanced = res.enhanced[:16]
-        row.last_text = res.text
-        row.last_host = f"{res.host} [{res.ip}]" if res.ip else res.host
-        if res.outcome == AttemptOutcome.DELIVERED:
-            row.state, row.final_at = RecipientState.DELIVERED, now
-            rnd.delivered_queues.add(row.queue_id)
-            rnd.cleared_hints += retry.cleared_by_delivery(row.address, sender, res.host, res.ip)
-            if "SUCCESS" in row.notify.upper() and not res.peer_dsn:
-                rnd.relayed[row.message_id].append(row)
-        elif res.outcome == AttemptOutcome.FAILED or timed_out:
-            row.state, row.final_at = RecipientState.FAILED, now  # queue: Dead-letter (_write)
-            if timed_out:
-                row.last_text = f"retry timeout exceeded; last error: {res.text}"
-            rnd.failed[row.message_id].append(row)
-        else:
-            row.state = RecipientState.DEFERRED
-    return rnd
-
-
-@dataclass
-class _Carried:
-    """What a round's early records leave to its final record: the link's and the
-    queues' bookkeeping and the retry data that deliveries clear — written once
-    per round, not once per message."""
-
-    delivered_queues: set[int] = field(default_factory=set)
-    errors_by_queue: dict[int, str] = field(default_factory=dict)
-    cleared_hints: dict[str, None] = field(default_factory=dict)  # ordered set
-    tls: str = ""
-
-    def keep(self, rnd: _Round) -> None:
-        self.delivered_queues |= rnd.delivered_queues
-        self.errors_by_queue.update(rnd.errors_by_queue)
-        self.cleared_hints.update(dict.fromkeys(rnd.cleared_hints))
-        self.tls = _tls_summary(rnd.attempts) or self.tls
-
-    def give(self, rnd: _Round) -> None:
-        rnd.delivered_queues |= self.delivered_queues
-        rnd.errors_by_queue = {**self.errors_by_queue, **rnd.errors_by_queue}
-        rnd.cleared_hints = list(dict.fromkeys([*self.cleared_hints, *rnd.cleared_hints]))
-        rnd.carried_tls = self.tls
 
 
 def _record(
@@ -450,9 +264,9 @@ def _record(
     owner: str,
     *,
     final: bool = True,
-    carried: _Carried | None = None,
+    carried: Carried | None = None,
 ) -> None:
-    """Record one round's outcome: read what it needs, decide (``_decide``),
+    """Record one round's outcome: read what it needs, decide (``decide``),
     write it all in one transaction (``_write``).
 
     ``final`` False: an early record of finished messages while the round goes
@@ -462,8 +276,8 @@ def _record(
     if final:
         link.refresh_from_db()  # a retried recording starts again from the stored link
     for res in batch.results:
-        res.text, res.host = _clean(res.text), _clean(res.host)
-    batch.connection_error = _clean(batch.connection_error)
+        res.text, res.host = scrub_nul(res.text), scrub_nul(res.host)
+    batch.connection_error = scrub_nul(batch.connection_error)
     claimed = Recipient.objects.filter(id__any=[x.recipient_id for x in batch.results]).owned_by(
         owner
     )
@@ -479,7 +293,7 @@ def _record(
         rows[r.id] = r
     senders = {mid: fact[1] for mid, fact in facts.items()}
     hints = retry.stored_hints(f for f in batch.host_failures if f.host)
-    rnd = _decide(link, batch, rows, senders, hints, now)
+    rnd = decide(link, batch, rows, senders, hints, now)
     if final and carried is not None:
         carried.give(rnd)
     _write(rnd, link, batch, owner, final=final, facts=facts)
@@ -503,7 +317,7 @@ _RECIPIENT_READ_FIELDS = (
 
 
 def _write(
-    rnd: _Round,
+    rnd: Round,
     link: Link,
     batch: BatchResult,
     owner: str,
@@ -511,22 +325,20 @@ def _write(
     final: bool = True,
     facts: dict[int, tuple[str, str, str]] | None = None,
 ) -> None:
-    """Write what ``_decide`` decided, in one transaction, only to rows the round
+    """Write what ``decide`` decided, in one transaction, only to rows the round
     still owns: attempts, recipients, retry data, the NDRs and "relayed" DSNs
     owed, problem-message counters, finished messages, the link and its queues.
     ``facts``: qid, sender and Message-ID of the round's messages (tracking)."""
     now = rnd.now
     rows = rnd.rows
     with transaction.atomic():
-        if any(rnd.failed.values()):
-            dead_letter = special_queue(DeliveryType.DEAD_LETTER, now)
-            for failed in rnd.failed.values():
-                for row in failed:
-                    row.queue_id = dead_letter.pk
+        dead_letter = (
+            special_queue(DeliveryType.DEAD_LETTER, now).pk if any(rnd.failed.values()) else None
+        )
         # Write (and lock) only rows whose claim is still ours, in the same
         # statement: rows the sweep took back meanwhile keep their newer
         # state; the attempts stay.
-        kept = Recipient.objects.record_owned(list(rows.values()), RECIPIENT_UPDATE_FIELDS, owner)
+        kept = Recipient.objects.record_round(rows, rnd.outcome.recipients, owner, dead_letter, now)
         if len(kept) != len(rows):
             rows = {rid: row for rid, row in rows.items() if rid in kept}
             for per_message in (rnd.failed, rnd.relayed):
@@ -544,21 +356,14 @@ def _write(
             Recipient.objects.owned_by(owner).release(now)
         _write_hints(rnd, forget=final)
         _notify_round(rnd)
-        if rnd.message_failures:
-            threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
-            Message.objects.filter(id__in=rnd.message_failures).update(
-                per_message_failures=F("per_message_failures") + 1
-            )
-            Message.objects.filter(
-                id__in=rnd.message_failures, per_message_failures__gte=threshold
-            ).update(problem=True)
+        Message.objects.count_message_failures(rnd.outcome.message_failures)
         Message.objects.finish_ids({r.message_id for r in batch.results}, now)
         if final:
-            _write_link(link, rnd, batch.connection_error)
+            Link.objects.record_round(link, link_outcome(rnd, batch.connection_error), now)
     counters.record_delivery(rnd.attempts, rows.values())
 
 
-def _write_hints(rnd: _Round, *, forget: bool = True) -> None:
+def _write_hints(rnd: Round, *, forget: bool = True) -> None:
     """The round's retry data, in a savepoint: it is a hint (deleting it is always
     safe), so data that cannot be written is logged and dropped, never the
     round's recorded outcomes with it. A lost connection is still an outage."""
@@ -576,117 +381,29 @@ def _write_hints(rnd: _Round, *, forget: bool = True) -> None:
 
 
 def insert_attempts(attempts: list[Attempt]) -> None:
-    """The round's Attempt rows: on PostgreSQL one INSERT … SELECT FROM
-    jsonb_to_recordset() of the whole batch (bulk_create prepares each of the
-    18 fields of each row and sends a placeholder per value, several times the
-    CPU); bulk_create elsewhere. The rows get no pk back (none is needed)."""
+    """The round's Attempt rows: on PostgreSQL one INSERT of the whole batch
+    (queues.bulk.insert_json: bulk_create prepares each of the 18 fields of
+    each row and sends a placeholder per value, several times the CPU);
+    bulk_create elsewhere. The rows get no pk back (none is needed)."""
     if not attempts:
         return
     if connection.vendor != "postgresql":
         Attempt.objects.bulk_create(attempts)
         return
-    if _ATTEMPT_INSERT is None:
-        _prepare_attempt_insert()
-    columns = _ATTEMPT_COLUMNS
-    payload = json.dumps(
-        [{c: getattr(a, c) for c in columns} for a in attempts], default=_json_value
-    )
-    with connection.cursor() as cur:
-        cur.execute(_ATTEMPT_INSERT, [payload])
-
-
-_ATTEMPT_COLUMNS: list[str] = []
-_ATTEMPT_INSERT: str | None = None
-
-
-def _prepare_attempt_insert() -> None:
-    global _ATTEMPT_INSERT
-    fields = [f for f in Attempt._meta.concrete_fields if not f.primary_key]
-    _ATTEMPT_COLUMNS[:] = [f.column for f in fields]
-    typed = ", ".join(
-        f"{f.column} {'bigint' if f.is_relation else f.cast_db_type(connection)}" for f in fields
-    )
-    names = ", ".join(_ATTEMPT_COLUMNS)
-    _ATTEMPT_INSERT = (
-        f"INSERT INTO {Attempt._meta.db_table} ({names}) SELECT {names} "
-        f"FROM jsonb_to_recordset(%s::jsonb) AS x({typed})"
+    columns = _attempt_columns()
+    names = [name for name, _ in columns]
+    insert_json(
+        Attempt._meta.db_table, columns, [{c: getattr(a, c) for c in names} for a in attempts]
     )
 
 
-def _json_value(value: object) -> str:
-    return value.isoformat() if isinstance(value, datetime) else str(value)
+@cache
+def _attempt_columns() -> list[tuple[str, str]]:
+    names = [f.attname for f in Attempt._meta.concrete_fields if not f.primary_key]
+    return field_columns(Attempt, names)
 
 
-def _write_link(link: Link, rnd: _Round, connection_error: str) -> None:
-    now = rnd.now
-    verdict = rnd.link
-    link.failure_count = verdict.retry.failure_count
-    link.first_failure_at = verdict.retry.first_failure_at
-    link.next_retry_at = verdict.retry.next_retry_at
-    if verdict.failed:
-        link.state = LinkState.RETRY
-        link.last_error, link.last_error_at = connection_error, now
-    else:
-        link.state = LinkState.READY
-    if rnd.delivered_queues:
-        Queue.objects.filter(id__in=rnd.delivered_queues).update(last_delivery_at=now)
-        link.last_success_at = now
-    for queue_id, text in rnd.errors_by_queue.items():
-        Queue.objects.filter(id=queue_id).update(last_error=text, last_error_at=now)
-    tls = _tls_summary(rnd.attempts) or rnd.carried_tls
-    if tls:
-        link.last_tls = tls
-    link.save(update_fields=LINK_UPDATE_FIELDS)
-
-
-def _tls_summary(attempts: list[Attempt]) -> str:
-    """The TLS of the round's last session for the queue list, e.g.
-    "TLSv1.3 verified (mta-sts), AUTH PLAIN" or "cleartext (policy may)"."""
-    if not attempts:
-        return ""
-    a = attempts[-1]
-    if a.tls_version:
-        how = f"verified ({a.tls_verified})" if a.tls_verified not in ("", "none") else "unverified"
-        text = f"{a.tls_version} {how}"
-    elif a.host or a.tls_policy:
-        text = "cleartext" if a.code is not None else "no session"
-    else:
-        return ""
-    if a.tls_policy:
-        text += f", policy {a.tls_policy}"
-    if a.auth_used:
-        text += f", AUTH {a.auth_used}"
-    return text[:120]
-
-
-RECIPIENT_UPDATE_FIELDS = [
-    "state",
-    "attempt_count",
-    "last_attempt_at",
-    "last_code",
-    "last_enhanced",
-    "last_text",
-    "last_host",
-    "lease_owner",
-    "lease_until",
-    "final_at",
-    "first_failure_at",
-    "next_attempt_at",
-    "queue_id",
-]
-LINK_UPDATE_FIELDS = [
-    "state",
-    "failure_count",
-    "first_failure_at",
-    "next_retry_at",
-    "last_error",
-    "last_error_at",
-    "last_success_at",
-    "last_tls",
-]
-
-
-def _notify_round(rnd: _Round) -> None:
+def _notify_round(rnd: Round) -> None:
     ids = set(rnd.failed) | set(rnd.relayed)
     if not ids:
         return
@@ -730,7 +447,7 @@ def _deliver_round(
     if not ids:
         return 0
     messages = _load_batch(ids)
-    carried = _Carried()
+    carried = Carried()
     if shaped is not None:
         config = shaped.claimed(messages)
     hops = [NextHop.from_json(h) for h in link.hosts]
@@ -739,14 +456,14 @@ def _deliver_round(
     hints = retry.stored_hints(targets)
     targets, verdict = retry.usable_targets(targets, hints, domain=domain, now=clock.now())
     if verdict == "bounce":
-        batch = _unattempted(
+        batch = unattempted(
             messages,
             AttemptOutcome.FAILED,
             "4.4.7",
             "retry time not reached for any host after a long failure period",
         )
     elif not targets:
-        batch = _unattempted(
+        batch = unattempted(
             messages, AttemptOutcome.DEFERRED, "4.4.4", error or "no address for the next hop"
         )
     else:
@@ -765,7 +482,7 @@ def _deliver_round(
             if shaped is not None:
                 shaped.observe(batch)
         else:
-            batch = _unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
+            batch = unattempted(messages, AttemptOutcome.DEFERRED, "4.7.5", planned)
     try:
         while_connected(claim, lambda: _record(link, batch, owner, carried=carried))
     except Exception as exc:
@@ -821,7 +538,7 @@ def _report_tls(batch: BatchResult) -> None:
 
 
 def _record_early(
-    link: Link, results: list[RecipientResult], owner: str, claim: Claim, carried: _Carried
+    link: Link, results: list[RecipientResult], owner: str, claim: Claim, carried: Carried
 ) -> None:
     """Record finished messages while the round goes on (a peer answered, so the
     link is reachable); the round's final record skips them, as they are no
@@ -844,12 +561,7 @@ def _record_crash(owner: str) -> None:
             now + settings.MAILRELAY_MESSAGE_RETRY_INTERVAL,
             "internal error while recording the delivery; will retry",
         )
-        Message.objects.filter(id__in=message_ids).update(crash_count=F("crash_count") + 1)
-        poisoned = list(
-            Message.objects.filter(
-                id__in=message_ids, crash_count__gt=settings.MAILRELAY_POISON_THRESHOLD
-            ).values_list("id", flat=True)
-        )
+        poisoned = Message.objects.filter(id__in=message_ids).count_crash()
     if poisoned:
         park_poison(poisoned)
 

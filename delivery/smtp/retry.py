@@ -46,6 +46,7 @@ from delivery.smtp.retryschedule import (
 )
 from delivery.smtp.types import HostFailure, RecipientResult
 from queues.models import RetryHint
+from queues.text import scrub_nul
 from queues.units import format_duration
 
 T = TypeVar("T")
@@ -409,5 +410,5 @@ def _as_row(hint: RetryData) -> RetryHint:
         next_try=hint.next_try,
         expired=hint.expired,
         error=hint.error,
-        text=hint.text.replace("\x00", "\ufffd")[:2000],  # PostgreSQL text holds no NUL
+        text=scrub_nul(hint.text)[:2000],  # PostgreSQL text holds no NUL
     )

@@ -58,13 +58,11 @@ from datetime import UTC, datetime
 from email.parser import BytesHeaderParser
 from email.utils import format_datetime
 
+# Kinds, named after the NOTIFY keywords (RFC 3461 §4.1); who is owed which:
+# queues.bounce.rule (dsn_wanted).
+from queues.bounce.rule import DEFAULT_NOTIFY, DELAY, FAILURE, KINDS, SUCCESS  # noqa: F401
+from queues.bounce.rule import wants as dsn_wanted  # noqa: F401
 from queues.headers import header_block
-
-# Kinds, named after the NOTIFY keywords (RFC 3461 §4.1).
-FAILURE = "failure"
-DELAY = "delay"
-SUCCESS = "success"
-KINDS = (FAILURE, DELAY, SUCCESS)
 
 # RFC 3464 §2.3.3 actions each kind may report.
 ACTIONS_BY_KIND: dict[str, frozenset[str]] = {
@@ -78,10 +76,6 @@ SUBJECT_BY_KIND = {
     DELAY: "Delayed Mail (still being retried)",
     SUCCESS: "Successful Mail Delivery Report",
 }
-
-# Defaults when NOTIFY was not given (RFC 3461 §4.1 leaves it to us; FAILURE,DELAY
-# is what Postfix, Exim and Exchange do).
-DEFAULT_NOTIFY = frozenset({FAILURE, DELAY})
 
 CRLF = "\r\n"
 _STATUS = re.compile(r"[245]\.\d{1,3}\.\d{1,3}\Z")
@@ -201,25 +195,6 @@ class DsnTransport:
 # Deciding --------------------------------------------------------------------------
 
 
-def dsn_wanted(kind: str, notify: str, mail_from: str) -> bool:
-    """Whether a ``kind`` report is owed for a recipient with this NOTIFY value.
-
-    Never to the null sender (RFC 5321 §4.5.5, RFC 3461 §6.2: a report about
-    a report could loop forever); NOTIFY=NEVER wants none; no NOTIFY means
-    FAILURE,DELAY; otherwise exactly the listed kinds.
-    """
-    if kind not in KINDS:
-        raise ValueError(f"unknown DSN kind {kind!r}")
-    if mail_from.strip() in ("", "<>"):
-        return False
-    keywords = {word.strip().lower() for word in notify.split(",") if word.strip()}
-    if not keywords:
-        return kind in DEFAULT_NOTIFY
-    if "never" in keywords:
-        return False
-    return kind in keywords
-
-
 def is_dsn(data: bytes) -> bool:
     """Whether ``data`` is a delivery status report (ours or anyone's).
 
@@ -286,6 +261,49 @@ def truncated_header_block(prefix: bytes) -> bytes:
 # Building --------------------------------------------------------------------------
 
 
+def _check_input(kind: str, original: DsnOriginal, recipients: Sequence[DsnRecipient]) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown DSN kind {kind!r}")
+    if not recipients:
+        raise ValueError("a DSN needs at least one recipient")
+    if original.mail_from.strip() in ("", "<>"):
+        raise ValueError("no DSN is ever sent to the null sender")
+    for rcpt in recipients:
+        if rcpt.action not in ACTIONS_BY_KIND[kind]:
+            raise ValueError(f"action {rcpt.action!r} does not belong in a {kind} DSN")
+        if not _STATUS.match(rcpt.status):
+            raise ValueError(f"status {rcpt.status!r} is not an RFC 3463 code")
+
+
+def _report_header(
+    kind: str,
+    original: DsnOriginal,
+    recipients: Sequence[DsnRecipient],
+    host: str,
+    now: datetime,
+    utf8: bool,
+    boundary: str,
+    parts: Sequence[tuple[bytes, bytes]],
+) -> bytes:
+    """The report's top-level header (step 7 of ``build_dsn``)."""
+    has_8bit = any(not piece.isascii() for part in parts for piece in part)
+    report_type = "global-delivery-status" if utf8 else "delivery-status"
+    header = [
+        f"From: Mail Delivery System <MAILER-DAEMON@{host}>",
+        f"To: <{_clean(original.mail_from, utf8=utf8)}>",
+        f"Subject: {SUBJECT_BY_KIND[kind]}",
+        f"Date: {_date(now)}",
+        f"Message-ID: {_message_id(kind, original.qid, now, host, recipients)}",
+        # RFC 3834 §5: an automatic message; well-behaved responders stay quiet.
+        "Auto-Submitted: auto-replied",
+        "MIME-Version: 1.0",
+        f"Content-Type: multipart/report; report-type={report_type};",
+        f'\tboundary="{boundary}"',
+        f"Content-Transfer-Encoding: {'8bit' if has_8bit else '7bit'}",
+    ]
+    return CRLF.join(header).encode("utf-8")
+
+
 def build_dsn(
     kind: str,
     original: DsnOriginal,
@@ -322,18 +340,7 @@ def build_dsn(
        (From MAILER-DAEMON, To the sender, Subject, Date, Message-ID,
        Auto-Submitted, MIME) and join the parts, every line ending in CRLF.
     """
-    # 1. input
-    if kind not in KINDS:
-        raise ValueError(f"unknown DSN kind {kind!r}")
-    if not recipients:
-        raise ValueError("a DSN needs at least one recipient")
-    if original.mail_from.strip() in ("", "<>"):
-        raise ValueError("no DSN is ever sent to the null sender")
-    for rcpt in recipients:
-        if rcpt.action not in ACTIONS_BY_KIND[kind]:
-            raise ValueError(f"action {rcpt.action!r} does not belong in a {kind} DSN")
-        if not _STATUS.match(rcpt.status):
-            raise ValueError(f"status {rcpt.status!r} is not an RFC 3463 code")
+    _check_input(kind, original, recipients)  # 1. input
     now = _aware(now)
     data = _crlf(bytes(original.data))
     size = len(data) if original.size is None else original.size
@@ -364,22 +371,8 @@ def build_dsn(
 
     # 7. boundary, header, assembly
     boundary = _boundary(original.qid, now, host, parts)
-    has_8bit = any(not piece.isascii() for part in parts for piece in part)
-    report_type = "global-delivery-status" if utf8 else "delivery-status"
-    header = [
-        f"From: Mail Delivery System <MAILER-DAEMON@{host}>",
-        f"To: <{_clean(original.mail_from, utf8=utf8)}>",
-        f"Subject: {SUBJECT_BY_KIND[kind]}",
-        f"Date: {_date(now)}",
-        f"Message-ID: {_message_id(kind, original.qid, now, host, recipients)}",
-        # RFC 3834 §5: an automatic message; well-behaved responders stay quiet.
-        "Auto-Submitted: auto-replied",
-        "MIME-Version: 1.0",
-        f"Content-Type: multipart/report; report-type={report_type};",
-        f'\tboundary="{boundary}"',
-        f"Content-Transfer-Encoding: {'8bit' if has_8bit else '7bit'}",
-    ]
-    out = [CRLF.join(header).encode("utf-8"), b"\r\n\r\n"]
+    header = _report_header(kind, original, recipients, host, now, utf8, boundary, parts)
+    out = [header, b"\r\n\r\n"]
     # The preamble is for MIME-unaware readers only.
     out.append(b"This is a MIME-encapsulated message.\r\n\r\n")
     for head, body in parts:

@@ -24,12 +24,11 @@ from queues.models import (
     Event,
     EventLevel,
     Link,
-    Message,
     Queue,
     Recipient,
 )
 from queues.services.action_errors import ActionConflict, ActionInvalid
-from queues.services.timed import until_text
+from queues.services.until import until_text
 from queues.signals import categorizer_work, link_work
 
 # Delivery types that have a next hop to replace.
@@ -87,9 +86,7 @@ def start(queue: Queue, now: datetime, *, to: str, until: datetime | None, by: s
         raise ActionConflict(f"queue {queue.name} is already delivered to {link.name}")
     # A change of a running re-route keeps the link to return to.
     home = queue.reroute_from_id if queue.reroute_to else queue.link_id
-    Queue.objects.filter(pk=queue.pk).update(
-        link=link, reroute_to=to, reroute_until=until, reroute_by=by[:150], reroute_from=home
-    )
+    Queue.objects.filter(pk=queue.pk).reroute(link.pk, to=to, until=until, by=by, home=home)
     waiting = Recipient.objects.filter(queue=queue, state__in=WAITING_RECIPIENT_STATES)
     waiting.filter(next_attempt_at__gt=now).update(next_attempt_at=now)
     Event.objects.create(
@@ -114,18 +111,11 @@ def end(queue: Queue, now: datetime, *, reason: str, by: str = "") -> int:
         raise ActionConflict(f"queue {queue.name} is not re-routed")
     home = queue.reroute_from_id
     was = describe(queue)
-    Queue.objects.filter(pk=queue.pk).update(
-        link=home if home is not None else queue.link_id,
-        reroute_to="",
-        reroute_until=None,
-        reroute_by="",
-        reroute_from=None,
-    )
+    Queue.objects.filter(pk=queue.pk).unroute(home if home is not None else queue.link_id)
     waiting = Recipient.objects.filter(queue=queue, state__in=WAITING_RECIPIENT_STATES)
     count = waiting.values("message_id").distinct().count()
     if home is None:
-        Message.objects.filter(id__in=waiting.values("message_id")).back_to_submission(now)
-        waiting.back_to_submission(now)
+        waiting.resubmit(now)
         transaction.on_commit(lambda: categorizer_work.send(sender=None))
     elif not queue.suspended:
         _ring(home)

@@ -68,14 +68,12 @@ def retry_now(message_ids: Sequence[int], now: datetime) -> tuple[int, set[int],
         return 0, set(), False
     rows = Recipient.objects.filter(_retryable_recipients(), message_id__in=ids)
     unreachable = rows.filter(queue__delivery_type=DeliveryType.UNREACHABLE)
-    routed_again = set(unreachable.values_list("message_id", flat=True))
-    unreachable.back_to_submission(now)
+    unreachable.resubmit(now)
     delivery = rows.exclude(queue__delivery_type=DeliveryType.UNREACHABLE)
     links = set(delivery.exclude(queue__link__isnull=True).values_list("queue__link_id", flat=True))
     delivery.filter(next_attempt_at__gt=now).update(next_attempt_at=now)
     if links:
         Link.objects.filter(pk__in=links, next_retry_at__gt=now).update(next_retry_at=None)
-    Message.objects.filter(id__in=routed_again).back_to_submission(now)
     waiting_categorizer = Message.objects.filter(id__in=ids, state=MessageState.SUBMISSION)
     waiting_categorizer.filter(next_attempt_at__gt=now).update(next_attempt_at=now)
     return len(ids), links, waiting_categorizer.exists()

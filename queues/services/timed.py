@@ -18,60 +18,21 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from django.db import transaction
-from django.utils.dateparse import parse_datetime
 
 from queues.models import Event, EventLevel, Message, MessageState, Queue
-from queues.services.action_errors import ActionInvalid
-from queues.units import format_duration, parse_duration
+
+# The "until" of a timed action, parsed and shown (queues.services.until); kept
+# importable from here.
+from queues.services.until import parse_until, until_text  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 # Messages whose suspension ends in one pass (the rest in the next one).
 RESUME_BATCH = 1000
 SYSTEM = "system"  # the audit's actor for what ends by itself
-
-
-def parse_until(text: str | datetime | None, now: datetime) -> datetime | None:
-    """``until`` as an operator gives it: a duration from now (``90s``, ``2h``,
-    ``1d``) or an ISO 8601 time (UTC when it names no zone); "" or None: no end.
-    Raises ActionInvalid for anything else, or for a time not after ``now``."""
-    if text is None or text == "":
-        return None
-    if isinstance(text, datetime):
-        when = text
-    else:
-        text = text.strip()
-        try:
-            when = now + parse_duration(text)
-        except ValueError:
-            try:
-                parsed = parse_datetime(text)
-            except ValueError:
-                parsed = None
-            if parsed is None:
-                raise ActionInvalid(
-                    f"until: {text!r} is neither a duration (90s, 2h, 1d) "
-                    "nor a time (2026-05-01T08:00:00Z)"
-                ) from None
-            when = parsed
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    if when <= now:
-        raise ActionInvalid(f"until: {when.isoformat()} is not in the future")
-    return when
-
-
-def until_text(until: datetime | None, now: datetime | None = None) -> str:
-    """``until 2026-05-01 08:00:00 UTC`` (``(in 2h)`` with ``now``), "" for no end."""
-    if until is None:
-        return ""
-    text = f"until {until.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
-    if now is not None and until > now:
-        text += f" (in {format_duration(until - now, units=2)})"
-    return text
 
 
 @dataclass

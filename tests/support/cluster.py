@@ -602,7 +602,7 @@ class Cluster:
         )
         if out.returncode != 0:
             raise RuntimeError(f"the relay's code does not import:\n{out.stderr[-3000:]}")
-        return Path(out.stdout.strip()).parent.parent.parent  # delivery/smtp/deliver.py
+        return Path(out.stdout.strip()).parents[2]  # delivery/smtp/deliver.py
 
     def runall_commands(self) -> dict[str, Command]:
         """The children ``runall`` starts (not the web app), with its environment."""
