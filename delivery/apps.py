@@ -21,6 +21,13 @@ class DeliveryConfig(AppConfig):
         categorizer_work.connect(_ring_categorizer, dispatch_uid="delivery.qmgr.bell.categorizer")
         link_work.connect(_ring_link, dispatch_uid="delivery.qmgr.bell.link")
 
+        # An operator's re-route is resolved by the engine's router (the store
+        # names the port, the engine plugs in: imports point down).
+        from delivery.route.routing import resolve_override
+        from queues.services import reroute
+
+        reroute.route_resolver = resolve_override
+
 
 def _ring_categorizer(sender: object, **kwargs: object) -> None:
     from delivery.qmgr import bell

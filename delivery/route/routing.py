@@ -40,6 +40,7 @@ from django.conf import settings
 from delivery.route.dns import make_resolver, parse_nameserver
 from delivery.smtp.types import NextHop, Route, RouteError
 from queues import domains
+from queues.services.reroute import NextHopRoute
 
 # queues.models.DeliveryType values (kept as strings: routing does not import models)
 TRANSPORT_MAP = "transport_map"
@@ -513,6 +514,19 @@ def override_route(spec: str, queue_name: str) -> Route:
     hops = parse_next_hop(spec.strip(), router.default_port)
     labels = " ".join(hop_label(h) for h in hops)
     return router._make(TRANSPORT_MAP, queue_name, router._expand(hops, f"re-route to {labels}"))
+
+
+def resolve_override(spec: str, queue_name: str) -> NextHopRoute:
+    """``override_route`` as the store's re-route asks for it (queues.services.
+    reroute.route_resolver, plugged in by delivery.apps): the link's name, type
+    and hosts, or ValueError saying why ``spec`` cannot be used."""
+    try:
+        route = override_route(spec, queue_name)
+    except RouteError as exc:
+        raise ValueError(exc.text) from None
+    return NextHopRoute(
+        route.link_name, route.delivery_type, [hop.as_json() for hop in route.hosts]
+    )
 
 
 class Router:

@@ -14,6 +14,8 @@ back to the link it came from and routing is normal again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import transaction
@@ -48,17 +50,29 @@ def describe(queue: Queue, now: datetime | None = None) -> str:
     return f"routed to {link}"
 
 
-def _override_link(queue: Queue, to: str, now: datetime) -> Link:
-    from delivery.route.routing import override_route
-    from delivery.smtp.types import RouteError
+@dataclass(frozen=True)
+class NextHopRoute:
+    """Where a re-routed queue's mail goes: the link of exactly these hosts."""
 
+    link_name: str
+    delivery_type: str
+    hosts: list[dict]
+
+
+# The engine's router, plugged in when the apps are ready (delivery.apps): the
+# store resolves no next hop itself. ``route_resolver(spec, queue_name)`` raises
+# ValueError saying why a spec cannot be used.
+route_resolver: Callable[[str, str], NextHopRoute] | None = None
+
+
+def _override_link(queue: Queue, to: str, now: datetime) -> Link:
+    if route_resolver is None:
+        raise ActionConflict("no router is loaded to resolve the next hop")
     try:
-        route = override_route(to, queue.name)
+        route = route_resolver(to, queue.name)
     except ValueError as exc:
         raise ActionInvalid(f"to: {exc}") from None
-    except RouteError as exc:
-        raise ActionInvalid(f"to: {exc.text}") from None
-    hosts = [hop.as_json() for hop in route.hosts]
+    hosts = route.hosts
     link, created = Link.objects.get_or_create(
         name=route.link_name,
         defaults={"delivery_type": route.delivery_type, "hosts": hosts, "created_at": now},
