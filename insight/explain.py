@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db.models import Q
@@ -291,87 +291,99 @@ def _actions(reasons: list[Reason], message: Message, queue: Queue | None) -> li
     return out
 
 
-def _explain_recipient(
-    r: Recipient,
-    message: Message,
-    last: Attempt | None,
-    hints: dict[int, list[RetryHint]],
-    pressure: list[dict[str, Any]] | None,
-    now: datetime,
-    shaping: dict[int, dict[str, Any] | None] | None = None,
-) -> RecipientExplain:
-    queue: Queue | None = r.queue if r.queue_id else None
-    link: Link | None = queue.link if queue is not None and queue.link_id else None
-    reasons: list[Reason] = []
-    rule: Rule | None = None
-    first_failed: datetime | None = None
-    next_try: datetime | None = None
-    domain = r.address.rpartition("@")[2]
+# --- one recipient, step by step ---------------------------------------------------------
 
-    if r.state == RecipientState.ACTIVE:
-        lease = settings.MAILRELAY_DELIVERY_LEASE
-        since = r.lease_until - lease if r.lease_until else None
+
+class _Retry(NamedTuple):
+    """A retry step's reason and what it settles: the rule that applies, the
+    first failure its schedule counts from, and the next try."""
+
+    reason: Reason
+    rule: Rule | None
+    first_failed: datetime | None
+    next_try: datetime
+
+
+def _in_flight(r: Recipient) -> Reason | None:
+    """Reason "in_flight": a delivery round holds the recipient's lease."""
+    if r.state != RecipientState.ACTIVE:
+        return None
+    lease = settings.MAILRELAY_DELIVERY_LEASE
+    since = r.lease_until - lease if r.lease_until else None
+    return Reason(
+        "in_flight",
+        f"In flight on worker {r.lease_owner or '?'}"
+        + (f" since about {since.isoformat()}" if since else "")
+        + ".",
+        {"worker": r.lease_owner, "since": since, "lease_until": r.lease_until},
+    )
+
+
+def _message_held(message: Message, queue: Queue | None) -> Reason | None:
+    """Reason "poison" (suspended and parked in Poison) or "message_suspended"."""
+    if not message.suspended:
+        return None
+    if queue is not None and queue.delivery_type == DeliveryType.POISON:
+        return Reason(
+            "poison",
+            f"Parked in Poison after crashing workers {message.crash_count} time(s).",
+            {"crash_count": message.crash_count},
+        )
+    by, until = message.suspended_by, message.suspended_until
+    return Reason(
+        "message_suspended",
+        f"The message is suspended {_who_until(by, until)}.",
+        {"by": by, "until": until},
+    )
+
+
+def _submission(
+    r: Recipient, message: Message, pressure: list[dict[str, Any]] | None, now: datetime
+) -> tuple[list[Reason], datetime | None]:
+    """A recipient still in Submission: being categorized, waiting for the
+    categorizer's next try (returned as the next try), or due (after any back
+    pressure holding the relay behind)."""
+    if r.state != RecipientState.SUBMITTED:
+        return [], None
+    if message.state == MessageState.CATEGORIZING:
+        return [
+            Reason(
+                "categorizing",
+                f"The categorizer {message.lease_owner or '?'} is routing it now.",
+                {"worker": message.lease_owner, "lease_until": message.lease_until},
+            )
+        ], None
+    if message.next_attempt_at > now:
+        next_try = message.next_attempt_at
+        return [
+            Reason(
+                "submission",
+                f"In Submission: the categorizer tries it again at {next_try.isoformat()}.",
+                {"next_attempt_at": next_try},
+            )
+        ], next_try
+    reasons: list[Reason] = []
+    if pressure:
+        worst = max(pressure, key=lambda p: p["level"] == "high")
         reasons.append(
             Reason(
-                "in_flight",
-                f"In flight on worker {r.lease_owner or '?'}"
-                + (f" since about {since.isoformat()}" if since else "")
-                + ".",
-                {"worker": r.lease_owner, "since": since, "lease_until": r.lease_until},
+                "backpressure",
+                f"Back pressure: {worst['resource']} is {worst['level']} on "
+                f"{worst['node']} (reading {worst['reading']}, threshold "
+                f"{worst['threshold']}): the relay is behind.",
+                {"resources": pressure},
             )
         )
-    if message.suspended:
-        by, until = message.suspended_by, message.suspended_until
-        if queue is not None and queue.delivery_type == DeliveryType.POISON:
-            reasons.append(
-                Reason(
-                    "poison",
-                    f"Parked in Poison after crashing workers {message.crash_count} time(s).",
-                    {"crash_count": message.crash_count},
-                )
-            )
-        else:
-            reasons.append(
-                Reason(
-                    "message_suspended",
-                    f"The message is suspended {_who_until(by, until)}.",
-                    {"by": by, "until": until},
-                )
-            )
-    if r.state == RecipientState.SUBMITTED:
-        if message.state == MessageState.CATEGORIZING:
-            reasons.append(
-                Reason(
-                    "categorizing",
-                    f"The categorizer {message.lease_owner or '?'} is routing it now.",
-                    {"worker": message.lease_owner, "lease_until": message.lease_until},
-                )
-            )
-        elif message.next_attempt_at > now:
-            next_try = message.next_attempt_at
-            reasons.append(
-                Reason(
-                    "submission",
-                    f"In Submission: the categorizer tries it again at {next_try.isoformat()}.",
-                    {"next_attempt_at": next_try},
-                )
-            )
-        else:
-            if pressure:
-                worst = max(pressure, key=lambda p: p["level"] == "high")
-                reasons.append(
-                    Reason(
-                        "backpressure",
-                        f"Back pressure: {worst['resource']} is {worst['level']} on "
-                        f"{worst['node']} (reading {worst['reading']}, threshold "
-                        f"{worst['threshold']}): the relay is behind.",
-                        {"resources": pressure},
-                    )
-                )
-            reasons.append(
-                Reason("submission", "In Submission: due, waiting for the categorizer.", {})
-            )
-    if queue is not None and queue.suspended:
+    reasons.append(Reason("submission", "In Submission: due, waiting for the categorizer.", {}))
+    return reasons, None
+
+
+def _queue_held(queue: Queue | None) -> list[Reason]:
+    """Reasons "queue_suspended" and "rerouted": what the operator set on its queue."""
+    if queue is None:
+        return []
+    reasons: list[Reason] = []
+    if queue.suspended:
         by, until = queue.suspended_by, queue.suspended_until
         reasons.append(
             Reason(
@@ -380,7 +392,7 @@ def _explain_recipient(
                 {"queue": queue.pk, "by": by, "until": until},
             )
         )
-    if queue is not None and queue.reroute_to:
+    if queue.reroute_to:
         until = queue.reroute_until
         reasons.append(
             Reason(
@@ -392,105 +404,178 @@ def _explain_recipient(
                 {"to": queue.reroute_to, "until": until, "by": queue.reroute_by},
             )
         )
-    waiting = r.state in (RecipientState.QUEUED, RecipientState.DEFERRED)
-    if waiting and queue is not None and queue.delivery_type == DeliveryType.UNREACHABLE:
-        next_try = r.next_attempt_at
+    return reasons
+
+
+def _unreachable(r: Recipient) -> Reason:
+    """Reason "unreachable": no route; the categorizer tries at its next attempt."""
+    next_try = r.next_attempt_at
+    return Reason(
+        "unreachable",
+        f"No route ({r.last_text or 'routing failed'}); the categorizer tries "
+        f"again at {next_try.isoformat()}.",
+        {"next_attempt_at": next_try, "error": r.last_text},
+    )
+
+
+def _shaping(
+    r: Recipient, queue: Queue, now: datetime, cache: dict[int, dict[str, Any] | None] | None
+) -> Reason | None:
+    """Reason "shaping": the traffic-shaping limit holding its link now, if any.
+    Shaping holds what is due (a recipient waiting for its own next try waits
+    for that)."""
+    if not queue.link_id or r.next_attempt_at > now:
+        return None
+    limit = shaping_limit(queue, now, cache)
+    if limit is None:
+        return None
+    return Reason("shaping", limit.get("text", "A shaping limit holds it."), limit)
+
+
+def _link_retry(
+    link: Link, link_hints: list[RetryHint], domain: str, now: datetime
+) -> _Retry | None:
+    """Reason "link_retry": its link waits for its next retry after connection
+    failures; the rule is the one for its first skipped host's error."""
+    if link.state != LinkState.RETRY or not link.next_retry_at or link.next_retry_at <= now:
+        return None
+    counter = _link_counter(link)
+    error = link_hints[0].error if link_hints else ""
+    host = link_hints[0].key[2:].split(":", 1)[0] if link_hints else None
+    rule = find_rule(f"postmaster@{domain}", error=error, host=host)
+    next_try = link.next_retry_at
+    reason = Reason(
+        "link_retry",
+        f"Its link {link.name} is in {counter} retry after "
+        f"{link.failure_count} connection failure(s); next retry "
+        f"{next_try.isoformat()}. Last error: {link.last_error or '—'}",
+        {
+            "link": link.pk,
+            "counter": counter,
+            "failure_count": link.failure_count,
+            "next_retry_at": next_try,
+            "last_error": link.last_error,
+        },
+    )
+    return _Retry(reason, rule, link.first_failure_at, next_try)
+
+
+def _host_retries(link_hints: list[RetryHint], domain: str) -> list[Reason]:
+    """Reasons "host_retry": each host of its link skipped by its retry data,
+    with the rule that matched that host's error."""
+    reasons = []
+    for hint in link_hints:
+        host = hint.key[2:].split(":", 1)[0]
+        matched = find_rule(f"postmaster@{domain}", error=hint.error, host=host)
         reasons.append(
             Reason(
-                "unreachable",
-                f"No route ({r.last_text or 'routing failed'}); the categorizer tries "
-                f"again at {next_try.isoformat()}.",
-                {"next_attempt_at": next_try, "error": r.last_text},
+                "host_retry",
+                f"Host {host} is skipped until {hint.next_try.isoformat()} by its retry "
+                f"data ({hint.error or 'error'}: {hint.text or '—'}), rule: "
+                f"{matched.text if matched else 'none'}.",
+                {
+                    "host": host,
+                    "key": hint.key,
+                    "error": hint.error,
+                    "text": hint.text,
+                    "next_try": hint.next_try,
+                    "first_failed": hint.first_failed,
+                    "rule": rule_info(matched),
+                },
             )
         )
-    # Shaping holds what is due (a recipient waiting for its own next try waits for that).
-    if waiting and queue is not None and link is not None and r.next_attempt_at <= now:
-        limit = shaping_limit(queue, now, shaping)
-        if limit is not None:
-            reasons.append(Reason("shaping", limit.get("text", "A shaping limit holds it."), limit))
-    if waiting and link is not None:
-        link_hints = hints.get(link.pk, [])
-        if link.state == LinkState.RETRY and link.next_retry_at and link.next_retry_at > now:
-            counter = _link_counter(link)
-            error = link_hints[0].error if link_hints else ""
-            host = link_hints[0].key[2:].split(":", 1)[0] if link_hints else None
-            rule = find_rule(f"postmaster@{domain}", error=error, host=host)
-            first_failed = link.first_failure_at
-            next_try = link.next_retry_at
-            reasons.append(
-                Reason(
-                    "link_retry",
-                    f"Its link {link.name} is in {counter} retry after "
-                    f"{link.failure_count} connection failure(s); next retry "
-                    f"{next_try.isoformat()}. Last error: {link.last_error or '—'}",
-                    {
-                        "link": link.pk,
-                        "counter": counter,
-                        "failure_count": link.failure_count,
-                        "next_retry_at": next_try,
-                        "last_error": link.last_error,
-                    },
-                )
-            )
-        for hint in link_hints:
-            host = hint.key[2:].split(":", 1)[0]
-            matched = find_rule(f"postmaster@{domain}", error=hint.error, host=host)
-            reasons.append(
-                Reason(
-                    "host_retry",
-                    f"Host {host} is skipped until {hint.next_try.isoformat()} by its retry "
-                    f"data ({hint.error or 'error'}: {hint.text or '—'}), rule: "
-                    f"{matched.text if matched else 'none'}.",
-                    {
-                        "host": host,
-                        "key": hint.key,
-                        "error": hint.error,
-                        "text": hint.text,
-                        "next_try": hint.next_try,
-                        "first_failed": hint.first_failed,
-                        "rule": rule_info(matched),
-                    },
-                )
-            )
-        if rule is None and r.state == RecipientState.DEFERRED and r.next_attempt_at > now:
-            error = (
-                retry.error_name(
-                    last.phase, last.code, via_mx=link.delivery_type == DeliveryType.DNS_MX
-                )
-                if last is not None
-                else ""
-            )
-            rule = find_rule(r.address, error=error, sender=message.mail_from)
-            first_failed = r.first_failure_at
-            next_try = r.next_attempt_at
-            if message.problem:
-                reasons.append(
-                    Reason(
-                        "problem_message",
-                        f"A problem message ({message.per_message_failures} per-message "
-                        f"failures): retried at {next_try.isoformat()} so it cannot hold up "
-                        "the others.",
-                        {
-                            "per_message_failures": message.per_message_failures,
-                            "next_attempt_at": next_try,
-                        },
-                    )
-                )
-            else:
-                reasons.append(
-                    Reason(
-                        "recipient_retry",
-                        f"Deferred ({error or 'temporary failure'}); next try "
-                        f"{next_try.isoformat()}.",
-                        {"error": error, "next_attempt_at": next_try},
-                    )
-                )
+    return reasons
+
+
+def _recipient_retry(r: Recipient, message: Message, last: Attempt | None, link: Link) -> _Retry:
+    """Reason "problem_message" or "recipient_retry": a deferred recipient waiting
+    for its own next try, under the rule for its last attempt's error."""
+    error = (
+        retry.error_name(last.phase, last.code, via_mx=link.delivery_type == DeliveryType.DNS_MX)
+        if last is not None
+        else ""
+    )
+    rule = find_rule(r.address, error=error, sender=message.mail_from)
+    next_try = r.next_attempt_at
+    if message.problem:
+        reason = Reason(
+            "problem_message",
+            f"A problem message ({message.per_message_failures} per-message "
+            f"failures): retried at {next_try.isoformat()} so it cannot hold up "
+            "the others.",
+            {"per_message_failures": message.per_message_failures, "next_attempt_at": next_try},
+        )
+    else:
+        reason = Reason(
+            "recipient_retry",
+            f"Deferred ({error or 'temporary failure'}); next try {next_try.isoformat()}.",
+            {"error": error, "next_attempt_at": next_try},
+        )
+    return _Retry(reason, rule, r.first_failure_at, next_try)
+
+
+def _add_due(reasons: list[Reason], waiting: bool) -> None:
+    """Reason "due", first, when nothing (or only a skipped host or a re-route) holds it."""
     if waiting and not reasons:
         reasons.append(Reason("due", "Due now: waiting for a delivery round.", {}))
     elif waiting and all(x.code in ("host_retry", "rerouted") for x in reasons):
         reasons.append(Reason("due", "Due now: waiting for a delivery round.", {}))
         reasons.sort(key=lambda x: x.code != "due")
 
+
+def _reasons(
+    r: Recipient,
+    message: Message,
+    last: Attempt | None,
+    hints: dict[int, list[RetryHint]],
+    pressure: list[dict[str, Any]] | None,
+    now: datetime,
+    shaping: dict[int, dict[str, Any] | None] | None,
+) -> tuple[list[Reason], Rule | None, datetime | None, datetime | None]:
+    """Why ``r`` waits, most important first, with the retry rule that applies,
+    the first failure its schedule counts from, and the next try (the last
+    step that sets one wins)."""
+    queue: Queue | None = r.queue if r.queue_id else None
+    link: Link | None = queue.link if queue is not None and queue.link_id else None
+    reasons = [x for x in (_in_flight(r), _message_held(message, queue)) if x is not None]
+    submission, next_try = _submission(r, message, pressure, now)
+    reasons += submission
+    reasons += _queue_held(queue)
+    rule: Rule | None = None
+    first_failed: datetime | None = None
+    waiting = r.state in (RecipientState.QUEUED, RecipientState.DEFERRED)
+    if waiting and queue is not None and queue.delivery_type == DeliveryType.UNREACHABLE:
+        next_try = r.next_attempt_at
+        reasons.append(_unreachable(r))
+    if waiting and queue is not None and (held := _shaping(r, queue, now, shaping)):
+        reasons.append(held)
+    if waiting and link is not None:
+        domain = r.address.rpartition("@")[2]
+        link_hints = hints.get(link.pk, [])
+        link_step = _link_retry(link, link_hints, domain, now)
+        if link_step is not None:
+            reasons.append(link_step.reason)
+            rule, first_failed, next_try = (
+                link_step.rule,
+                link_step.first_failed,
+                link_step.next_try,
+            )
+        reasons += _host_retries(link_hints, domain)
+        # Its own retry explains it only when its link's retry gave no rule.
+        if rule is None and r.state == RecipientState.DEFERRED and r.next_attempt_at > now:
+            own = _recipient_retry(r, message, last, link)
+            reasons.append(own.reason)
+            rule, first_failed, next_try = own.rule, own.first_failed, own.next_try
+    _add_due(reasons, waiting)
+    return reasons, rule, first_failed, next_try
+
+
+def _schedule(
+    r: Recipient, message: Message, rule: Rule | None, first_failed: datetime | None, now: datetime
+) -> tuple[list[dict[str, Any]], datetime | None, datetime | None]:
+    """The projected schedule, in time order: the rule engine's next tries, the
+    delay DSN (if one is still owed), the rule's final cutoff and the expiry;
+    with when the delay DSN goes and when the cutoff passes."""
     schedule: list[dict[str, Any]] = []
     tries, cutoff_at = schedule_after(rule, first_failed, now, message.expires_at)
     schedule += [{"at": t, "kind": "retry"} for t in tries]
@@ -506,16 +591,35 @@ def _explain_recipient(
         schedule.append({"at": cutoff_at, "kind": "final_cutoff"})
     schedule.append({"at": message.expires_at, "kind": "expires"})
     schedule.sort(key=lambda s: s["at"])
+    return schedule, delay_at, cutoff_at
 
-    last_reply = None
-    if r.last_attempt_at or r.last_text:
-        last_reply = {
-            "code": r.last_code,
-            "enhanced": r.last_enhanced,
-            "text": r.last_text,
-            "host": r.last_host,
-            "at": r.last_attempt_at,
-        }
+
+def _last_reply(r: Recipient) -> dict[str, Any] | None:
+    if not (r.last_attempt_at or r.last_text):
+        return None
+    return {
+        "code": r.last_code,
+        "enhanced": r.last_enhanced,
+        "text": r.last_text,
+        "host": r.last_host,
+        "at": r.last_attempt_at,
+    }
+
+
+def _explain_recipient(
+    r: Recipient,
+    message: Message,
+    last: Attempt | None,
+    hints: dict[int, list[RetryHint]],
+    pressure: list[dict[str, Any]] | None,
+    now: datetime,
+    shaping: dict[int, dict[str, Any] | None] | None = None,
+) -> RecipientExplain:
+    queue: Queue | None = r.queue if r.queue_id else None
+    reasons, rule, first_failed, next_try = _reasons(
+        r, message, last, hints, pressure, now, shaping
+    )
+    schedule, delay_at, cutoff_at = _schedule(r, message, rule, first_failed, now)
     return RecipientExplain(
         recipient_id=r.pk,
         address=r.address,
@@ -524,7 +628,7 @@ def _explain_recipient(
         reason=reasons[0].code if reasons else "",
         reasons=reasons,
         rule=rule_info(rule),
-        last_reply=last_reply,
+        last_reply=_last_reply(r),
         next_try_at=next_try,
         schedule=schedule,
         delay_dsn_at=delay_at,
