@@ -377,6 +377,8 @@ def usable_targets(
 def stored_hints(hosts: Iterable[HostFailure | Peer]) -> dict[str, RetryData]:
     """The stored retry data of these hosts (anything with ``host`` and ``ip``)."""
     keys = [host_key(h.host, h.ip) for h in hosts]
+    if not keys:
+        return {}  # an early record of finished messages: nothing to read
     return {key: _as_data(row) for key, row in RetryHint.objects.load(keys).items()}
 
 
