@@ -160,7 +160,7 @@ else:
     }
 # A host cut off from PostgreSQL (a partition, a frozen VM) may leave its session
 # idle inside a transaction, holding row locks that other hosts' reclaim needs:
-# PostgreSQL ends such a session after this long (0: never), and probes idle
+# PostgreSQL ends such a session after this long (0s: never), and probes idle
 # TCP connections both ways (keepalives) so a vanished peer is noticed in ~25 s.
 MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT = env_duration(
     "MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT", "15s"
@@ -168,15 +168,16 @@ MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT = env_duration(
 if DATABASES["default"]["ENGINE"].endswith("postgresql"):
     _db_options = DATABASES["default"].setdefault("OPTIONS", {})
     _idle_ms = int(MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT.total_seconds() * 1000)
-    _db_options["options"] = " ".join(
-        part
-        for part in (
-            _db_options.get("options", ""),
-            f"-c idle_in_transaction_session_timeout={_idle_ms}",
-            "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3",
+    if _idle_ms:  # 0: no startup options at all (a pooler such as PgBouncer refuses them)
+        _db_options["options"] = " ".join(
+            part
+            for part in (
+                _db_options.get("options", ""),
+                f"-c idle_in_transaction_session_timeout={_idle_ms}",
+                "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3",
+            )
+            if part
         )
-        if part
-    )
     for _key, _value in (
         ("keepalives", 1),
         ("keepalives_idle", 10),
