@@ -29,6 +29,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
 
+from queues.dberrors import drop_connection
+
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
@@ -86,13 +88,6 @@ class Outage:
 
 
 OUTAGE = Outage()
-
-
-def drop_connection() -> None:
-    try:
-        connection.close()
-    except Exception:  # noqa: BLE001 - closing a broken connection may fail too
-        log.debug("closing a broken database connection failed", exc_info=True)
 
 
 def wait_for_database(deadline: float, sleep: Callable[[float], None] = time.sleep) -> bool:

@@ -14,7 +14,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 
 from queues import clock, dkim, domains
 from queues.bulk import insert_many_with_children, insert_with_children
-from queues.dberrors import is_outage
+from queues.dberrors import drop_connection, is_outage
 from queues.headers import inspect_headers
 from queues.models import (
     Event,
@@ -361,7 +361,7 @@ def prepared_accept_many(ready: Sequence[PreparedMessage]) -> list[Message | Exc
         # connection, or an error after the INSERT returned): look the queue ids
         # up first, so no committed message gets 451 and is stored twice.
         if is_outage(exc):
-            _close_quietly()
+            drop_connection()
         stored = _already_stored([p.message for p in ready])
         results: list[Message | Exception] = []
         for prepared in ready:
@@ -381,7 +381,7 @@ def _try_one(prepared: PreparedMessage) -> Message | Exception:
         # The session answers 451 and logs it; a database that is away is not news here.
         level = logging.DEBUG if _unavailable(exc) else logging.WARNING
         log.log(level, "%s: could not be stored: %s", prepared.message.qid, exc)
-        _close_quietly()  # a broken connection is not reused by the next message
+        drop_connection()  # a broken connection is not reused by the next message
         return exc
 
 
@@ -398,17 +398,10 @@ def _already_stored(messages: list[Message]) -> dict[str, Message]:
             log.debug("could not look up the messages of a lost batch: %s", exc)
         else:
             log.warning("could not look up the messages of a lost batch", exc_info=True)
-        _close_quietly()
+        drop_connection()
         return {}
 
 
 def _unavailable(exc: BaseException) -> bool:
     """The database is away (refused, lost, a read-only standby): not a bug to trace."""
     return isinstance(exc, (OperationalError, InterfaceError))
-
-
-def _close_quietly() -> None:
-    try:
-        connection.close()
-    except Exception:  # noqa: BLE001 - closing a broken connection may fail too
-        log.debug("closing the failed database connection failed", exc_info=True)

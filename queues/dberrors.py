@@ -4,7 +4,11 @@ same error: handle it as a failure of that work)."""
 
 from __future__ import annotations
 
-from django.db import InterfaceError, OperationalError
+import logging
+
+from django.db import InterfaceError, OperationalError, connection
+
+log = logging.getLogger(__name__)
 
 # SQLSTATE classes that say the statement or its data is wrong, never that the
 # server is away: 22 data exception, 23 integrity constraint violation, 42
@@ -37,3 +41,13 @@ def is_outage(exc: BaseException) -> bool:
         return False
     state = sqlstate(exc)
     return state is None or state[:2] not in NOT_AN_OUTAGE
+
+
+def drop_connection() -> None:
+    """Close this thread's database connection after an error: the next query
+    opens a fresh one (the server may have restarted, or the connection is in
+    an unknown state after a failed COMMIT)."""
+    try:
+        connection.close()
+    except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+        log.debug("closing a broken database connection failed", exc_info=True)

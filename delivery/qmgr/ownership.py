@@ -44,11 +44,11 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError
 
 from delivery.outage import OUTAGE
 from queues import clock
-from queues.dberrors import is_outage
+from queues.dberrors import drop_connection, is_outage
 
 log = logging.getLogger(__name__)
 
@@ -137,15 +137,6 @@ class Claim:
             self.lose("its rows were taken back")
         elif not self._lost.is_set():
             self.renewed_at = started
-
-
-def drop_connection() -> None:
-    """Close this thread's database connection after an error: the next query
-    opens a fresh one (the server may have restarted)."""
-    try:
-        connection.close()
-    except Exception:  # noqa: BLE001 - closing a broken connection may fail too
-        log.debug("closing a broken database connection failed", exc_info=True)
 
 
 def while_connected(claim: Claim, work: Callable[[], T]) -> T:

@@ -69,6 +69,7 @@ from queues.accept import (
     prepared_accept_many,
     printable,
 )
+from queues.dberrors import drop_connection
 from queues.headers import author_addresses
 from queues.models import MessageSource
 from queues.services import accounts
@@ -136,10 +137,7 @@ def _store(prepared: PreparedMessage, data: bytes | bytearray) -> str:
     except BaseException:
         # After a failed COMMIT or a lost server the connection is broken or in
         # an unknown state: drop it so the next message on this thread reconnects.
-        try:
-            connection.close()
-        except Exception:  # noqa: BLE001 - closing a broken connection may fail too
-            log.debug("closing the failed database connection failed", exc_info=True)
+        drop_connection()
         raise
 
 
@@ -166,10 +164,7 @@ def _in_thread(call: Callable[[], object]) -> object:
     try:
         return call()
     except BaseException:
-        try:
-            connection.close()
-        except Exception:  # noqa: BLE001 - closing a broken connection may fail too
-            log.debug("closing the failed database connection failed", exc_info=True)
+        drop_connection()
         raise
 
 
