@@ -59,3 +59,18 @@ class RoundOutcome:
     recipients: dict[int, RecipientOutcome] = field(default_factory=dict)
     link: LinkOutcome | None = None
     message_failures: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Delivered:
+    """A recipient written DELIVERED by an early record
+    (``Recipient.objects.record_delivered``), with its message's tracking facts."""
+
+    id: int
+    message_id: int
+    queue_id: int | None
+    address: str
+    qid: str
+    sender: str
+    header_id: str  # the Message-ID header field
+    state: str = "delivered"

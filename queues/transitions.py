@@ -12,21 +12,9 @@ poison, re-route. The engine hands over pure outcomes (``queues.outcomes``:
 a round's ``record_round``), never a state word. The models are looked up
 by name (``_model``): they import this module for their managers.
 
-The rules of ownership are written here too:
-
-- **A claim has an owner and a lease.** Whoever claims rows (a categorizer
-  batch, a delivery round, a link's delivery task) writes its owner token and
-  a lease end. A live owner renews the lease while it works
-  (``delivery.qmgr.ownership.LeaseKeeper``), however long the work takes; a dead
-  owner stops renewing, and the sweep takes the rows back once the lease has
-  run out (``reclaim_expired``), within one lease and one reclaim interval.
-- **An owner that lost its claim writes nothing.** Results are written only to
-  rows still carrying the owner's token (``owned_by``), under row locks, so a
-  late round cannot overwrite what a newer owner did.
-- **A crash counts only against the message being worked on.** A batch whose
-  owner died is not blamed on every message in it: its messages come back
-  marked ``isolate`` and are tried one at a time, and only a message claimed
-  alone has the try counted in ``crash_count`` (the poison guard).
+The rules of ownership (a claim has an owner and a lease; an owner that
+lost its claim writes nothing; a crash counts only against the message
+being worked on) are written here; README "Ownership and crash recovery".
 
 Every method here is one set-based statement (or a few, in the caller's
 transaction); none loads message bodies.
@@ -39,15 +27,16 @@ import socket
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
+from functools import cache
 
 from django.apps import apps
 from django.conf import settings
 from django.db import connection, models, transaction
 from django.db.models import Exists, F, OuterRef, Q
 
-from queues.bulk import field_columns, update_json
+from queues.bulk import field_columns, jsonb_payload, jsonb_rows, update_json
 from queues.lookups import postgresql
-from queues.outcomes import LinkOutcome, RecipientOutcome, Verdict
+from queues.outcomes import Delivered, LinkOutcome, RecipientOutcome, Verdict
 from queues.states import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
@@ -554,6 +543,20 @@ class RecipientQuerySet(models.QuerySet):
             params=[RecipientState.ACTIVE, owner],
         )
 
+    def record_delivered(
+        self, attempts: Sequence[Mapping[str, object]], owner: str, now: datetime
+    ) -> list[Delivered]:
+        """Deliveries in ONE statement (PostgreSQL; an early record): as
+        ``record_round`` for rows ``owner`` holds, an Attempt row each (``attempts``:
+        its columns, ``last_host``; a lost claim's too: the try happened), finished
+        messages done (``finish_ids``). Returns them with their tracking facts."""
+        with connection.cursor() as cur:
+            cur.execute(
+                _record_delivered_sql(),
+                [jsonb_payload(attempts), now, owner, now, list(FINAL_RECIPIENT_STATES)],
+            )
+            return [Delivered(*row) for row in cur.fetchall()]
+
     def release(self, now: datetime) -> int:
         """Claimed rows a round never tried (it stopped early): waiting again, due now."""
         return self.filter(state=RecipientState.ACTIVE).update(
@@ -655,10 +658,8 @@ def _apply(
     one is final as of the round's ``now``."""
     row.attempt_count += 1
     row.lease_owner, row.lease_until = "", None
-    row.last_attempt_at = outcome.tried_at
-    row.last_code = outcome.code
-    row.last_enhanced = outcome.enhanced
-    row.last_text = outcome.text
+    row.last_attempt_at, row.last_code = outcome.tried_at, outcome.code
+    row.last_enhanced, row.last_text = outcome.enhanced, outcome.text
     row.last_host = outcome.host
     row.first_failure_at = outcome.first_failure_at
     if outcome.verdict == Verdict.DEFERRED:
@@ -670,6 +671,33 @@ def _apply(
         if outcome.verdict == Verdict.FAILED:
             row.queue_id = dead_letter_id
     return row
+
+
+@cache
+def _record_delivered_sql() -> str:
+    """``record_delivered``'s statement (the Attempt columns but its queue)."""
+    attempt = _model("Attempt")
+    fields = attempt._meta.concrete_fields
+    names = [f.attname for f in fields if f.attname not in ("id", "queue_id")]
+    columns = field_columns(attempt, names)
+    return f"""
+WITH v AS (SELECT * FROM {jsonb_rows("v", [*columns, ("last_host", "text")])}),
+r AS (UPDATE queues_recipient AS t SET state = '{RecipientState.DELIVERED}',
+  attempt_count = t.attempt_count + 1, last_attempt_at = v.started_at, last_code = v.code,
+  last_enhanced = v.enhanced, last_text = v.text, last_host = v.last_host,
+  lease_owner = '', lease_until = NULL, final_at = %s
+  FROM v WHERE t.id = v.recipient_id AND t.state = '{RecipientState.ACTIVE}' AND t.lease_owner = %s
+  RETURNING t.id, t.message_id, t.queue_id, t.address),
+a AS (INSERT INTO {attempt._meta.db_table} ({", ".join(c for c, _ in columns)}, queue_id)
+  SELECT {", ".join("v." + c for c, _ in columns)}, t.queue_id
+  FROM v JOIN queues_recipient AS t ON t.id = v.recipient_id),
+m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at = %s,
+  lease_owner = '', lease_until = NULL
+  WHERE m.id IN (SELECT message_id FROM r) AND m.state <> '{MessageState.DONE}' AND NOT EXISTS (
+  SELECT 1 FROM queues_recipient AS x WHERE x.message_id = m.id
+  AND x.state <> ALL(%s::varchar[]) AND x.id NOT IN (SELECT id FROM r)))
+SELECT r.id, r.message_id, r.queue_id, r.address, g.qid, g.mail_from, g.message_id
+FROM r JOIN queues_message AS g ON g.id = r.message_id"""
 
 
 def _not_locked(expired: models.QuerySet) -> models.QuerySet:

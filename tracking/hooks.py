@@ -134,12 +134,15 @@ def attempted(
     now: datetime,
     facts: Mapping[int, tuple[str, str, str]] | None = None,
     owned: Container[int] | None = None,
+    own_savepoint: bool = True,
 ) -> None:
     """After a delivery round wrote its attempts (queues.signals.attempts_recorded):
     ``attempts`` are its queues.models.Attempt objects, ``rows`` the round's
     recipients by id with their new state, ``owned`` the ids of those it could
     still write (None: all); ``facts``: qid, sender and
-    Message-ID by message id when the caller has them (else one SELECT)."""
+    Message-ID by message id when the caller has them (else one SELECT);
+    ``own_savepoint`` False: a failed write may roll the caller's transaction
+    back (it records another way then; tracking.record.write)."""
     if not attempts:
         return
     if facts is None or any(a.message_id not in facts for a in attempts):
@@ -182,7 +185,7 @@ def attempted(
                 **_message_fields(facts, a.message_id),
             )
         )
-    write(out)
+    write(out, own_savepoint=own_savepoint)
 
 
 def expired(recipients: list[Any], now: datetime, reason: str) -> None:
@@ -217,6 +220,7 @@ def on_attempts_recorded(sender: object, **kwargs: Any) -> None:
         kwargs["now"],
         kwargs.get("facts"),
         owned=kwargs.get("owned"),
+        own_savepoint=kwargs.get("own_savepoint", True),
     )
 
 

@@ -124,11 +124,21 @@ def insert(rows: Sequence[Row]) -> None:
         cur.executemany(SQLITE_INSERT, params)
 
 
-def write(rows: Sequence[Row]) -> None:
+def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
     """Store ``rows`` in the caller's transaction (one INSERT), queue the webhooks
     they trigger (one more INSERT, only when an enabled endpoint wants one of
-    them) and hand their event-log lines over after commit."""
+    them) and hand their event-log lines over after commit.
+
+    ``own_savepoint`` False: no savepoint of their own (two statements fewer);
+    for a caller whose transaction may roll back with them because it then
+    records the same again another way (a delivery's early record: its
+    round's final record writes it)."""
     if not rows:
+        return
+    if not own_savepoint:
+        insert(rows)
+        outbox.enqueue(rows)
+        eventlog.after_commit(rows)
         return
     # In a savepoint of its own: a tracking row that cannot be written (a lock
     # timeout behind partition maintenance, a value the table refuses) must not

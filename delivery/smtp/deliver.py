@@ -24,7 +24,15 @@ from delivery.shaping import gate as shaping_gate
 from delivery.smtp import retry
 from delivery.smtp import tls as tls_policy
 from delivery.smtp.client import ClientConfig, deliver
-from delivery.smtp.outcome import Carried, Round, decide, link_outcome, unattempted
+from delivery.smtp.outcome import (
+    Carried,
+    Round,
+    attempt_values,
+    decide,
+    link_outcome,
+    reply_host,
+    unattempted,
+)
 from delivery.smtp.types import (
     BatchResult,
     NextHop,
@@ -34,6 +42,7 @@ from delivery.smtp.types import (
 )
 from queues import clock, counters
 from queues.bounce import dsn
+from queues.bounce import rule as dsn_rule
 from queues.bounce.notify import notify
 from queues.bulk import field_columns, insert_json
 from queues.dberrors import is_outage
@@ -448,6 +457,12 @@ def _deliver_round(
         return 0
     messages = _load_batch(ids)
     carried = Carried()
+    reports = {  # NOTIFY=SUCCESS: their delivery owes a "relayed" report
+        r.id
+        for m in messages
+        for r in m.recipients
+        if dsn_rule.wants(dsn_rule.SUCCESS, r.notify, m.mail_from)
+    }
     if shaped is not None:
         config = shaped.claimed(messages)
     hops = [NextHop.from_json(h) for h in link.hosts]
@@ -474,7 +489,7 @@ def _deliver_round(
                 messages,
                 planned,
                 claim,
-                (lambda done: _record_early(link, done, owner, claim, carried))
+                (lambda done: _record_early(link, done, owner, claim, carried, reports))
                 if RECORD_EACH_MESSAGE
                 else None,
             )
@@ -538,17 +553,62 @@ def _report_tls(batch: BatchResult) -> None:
 
 
 def _record_early(
-    link: Link, results: list[RecipientResult], owner: str, claim: Claim, carried: Carried
+    link: Link,
+    results: list[RecipientResult],
+    owner: str,
+    claim: Claim,
+    carried: Carried,
+    reports: set[int],
 ) -> None:
     """Record finished messages while the round goes on (a peer answered, so the
     link is reachable); the round's final record skips them, as they are no
     longer the round's, and writes what they left it (``carried``). A failure
-    here is not fatal: the final record retries."""
-    batch = BatchResult(list(results), connected=True)
+    here is not fatal: the final record retries.
+
+    Deliveries that owe no "relayed" report (``reports``: recipient ids whose
+    NOTIFY asks for one) take one statement (``_record_delivered``); the
+    others are decided and written as the final record writes them."""
+    quick: list[RecipientResult] = []
+    rest: list[RecipientResult] = []
+    for res in results:
+        plain = res.outcome == AttemptOutcome.DELIVERED and (
+            res.peer_dsn or res.recipient_id not in reports
+        )
+        (quick if plain and connection.vendor == "postgresql" else rest).append(res)
     try:
-        while_connected(claim, lambda: _record(link, batch, owner, final=False, carried=carried))
+        if quick:
+            while_connected(claim, lambda: _record_delivered(link, quick, owner, carried))
+        if rest:
+            batch = BatchResult(rest, connected=True)
+            while_connected(
+                claim, lambda: _record(link, batch, owner, final=False, carried=carried)
+            )
     except Exception:  # noqa: BLE001 - the final record writes them
         log.exception("recording finished messages of link %s early failed", link.pk)
+
+
+def _record_delivered(
+    link: Link, results: list[RecipientResult], owner: str, carried: Carried
+) -> None:
+    """Deliveries recorded in one statement of the store
+    (``record_delivered``) and their tracking rows, in one transaction."""
+    now = clock.now()
+    for res in results:
+        res.text, res.host = scrub_nul(res.text), scrub_nul(res.host)
+    values = [attempt_values(res, now) | {"last_host": reply_host(res)} for res in results]
+    with transaction.atomic():
+        written = Recipient.objects.record_delivered(values, owner, now)
+        attempts_recorded.send(
+            None,
+            attempts=results,
+            rows={row.id: row for row in written},
+            link=link,
+            now=now,
+            facts={row.message_id: (row.qid, row.sender, row.header_id) for row in written},
+            own_savepoint=False,  # a failed tracking write: the final record writes all
+        )
+        counters.record_delivery(results)
+    carried.keep_delivered(written, results)
 
 
 def _record_crash(owner: str) -> None:

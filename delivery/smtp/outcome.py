@@ -20,7 +20,7 @@ from delivery.smtp.types import BatchResult, OutboundMessage, RecipientResult
 from queues import clock
 from queues.bounce import rule as dsn_rule
 from queues.models import Attempt, AttemptOutcome, AttemptPhase, Link, Recipient
-from queues.outcomes import LinkOutcome, RecipientOutcome, RoundOutcome, Verdict
+from queues.outcomes import Delivered, LinkOutcome, RecipientOutcome, RoundOutcome, Verdict
 
 
 def unattempted(
@@ -79,27 +79,36 @@ def _link_retry(link: Link) -> retry.LinkRetry:
     )
 
 
+def attempt_values(res: RecipientResult, now: datetime) -> dict[str, object]:
+    """The columns of ``res``'s Attempt row (its queue is its recipient's)."""
+    return {
+        "recipient_id": res.recipient_id,
+        "message_id": res.message_id,
+        "started_at": res.started_at or now,
+        "duration_ms": res.duration_ms,
+        "host": res.host[:300],
+        "ip": res.ip[:64],
+        "port": res.port,
+        "phase": res.phase,
+        "code": res.code,
+        "enhanced": res.enhanced[:16],
+        "text": res.text,
+        "outcome": res.outcome,
+        "tls_version": res.tls_version[:16],
+        "tls_cipher": res.tls_cipher[:100],
+        "tls_verified": res.tls_verified[:20],
+        "tls_policy": res.tls_policy[:20],
+        "auth_used": res.auth_used[:20],
+    }
+
+
+def reply_host(res: RecipientResult) -> str:
+    """The host a recipient's last reply came from, as the queue list shows it."""
+    return f"{res.host} [{res.ip}]" if res.ip else res.host
+
+
 def _attempt(res: RecipientResult, row: Recipient, now: datetime) -> Attempt:
-    return Attempt(
-        recipient_id=res.recipient_id,
-        message_id=res.message_id,
-        queue_id=row.queue_id,
-        started_at=res.started_at or now,
-        duration_ms=res.duration_ms,
-        host=res.host[:300],
-        ip=res.ip[:64],
-        port=res.port,
-        phase=res.phase,
-        code=res.code,
-        enhanced=res.enhanced[:16],
-        text=res.text,
-        outcome=res.outcome,
-        tls_version=res.tls_version[:16],
-        tls_cipher=res.tls_cipher[:100],
-        tls_verified=res.tls_verified[:20],
-        tls_policy=res.tls_policy[:20],
-        auth_used=res.auth_used[:20],
-    )
+    return Attempt(queue_id=row.queue_id, **attempt_values(res, now))
 
 
 def decide(
@@ -157,7 +166,7 @@ def _decide_recipient(
         code=res.code,
         enhanced=res.enhanced[:16],
         text=res.text,
-        host=f"{res.host} [{res.ip}]" if res.ip else res.host,
+        host=reply_host(res),
         first_failure_at=row.first_failure_at,
     )
     timed_out = False
@@ -212,6 +221,16 @@ class Carried:
         self.cleared_hints.update(dict.fromkeys(rnd.cleared_hints))
         self.tls = tls_summary(rnd.attempts) or self.tls
 
+    def keep_delivered(self, written: list[Delivered], results: list[RecipientResult]) -> None:
+        """``keep`` for an early record of deliveries (``record_delivered``)."""
+        by_id = {res.recipient_id: res for res in results}
+        for row in written:
+            res = by_id[row.id]
+            self.delivered_queues.add(row.queue_id)
+            cleared = retry.cleared_by_delivery(row.address, row.sender, res.host, res.ip)
+            self.cleared_hints.update(dict.fromkeys(cleared))
+        self.tls = tls_summary(results) or self.tls
+
     def give(self, rnd: Round) -> None:
         rnd.delivered_queues |= self.delivered_queues
         rnd.errors_by_queue = {**self.errors_by_queue, **rnd.errors_by_queue}
@@ -234,7 +253,7 @@ def link_outcome(rnd: Round, connection_error: str) -> LinkOutcome:
     )
 
 
-def tls_summary(attempts: list[Attempt]) -> str:
+def tls_summary(attempts: list[Attempt] | list[RecipientResult]) -> str:
     """The TLS of the round's last session for the queue list, e.g.
     "TLSv1.3 verified (mta-sts), AUTH PLAIN" or "cleartext (policy may)"."""
     if not attempts:

@@ -1,0 +1,188 @@
+"""The early record of deliveries (issue #22 "durable before the next
+transaction", made cheap for issue #24): a finished delivery owing no
+"relayed" report is one statement of the store
+(``Recipient.objects.record_delivered``) and its tracking rows.
+
+Real PostgreSQL, real sinks on loopback, the loopback DNS server.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import DatabaseError
+
+from delivery.qmgr.categorize import categorize_pending
+from delivery.smtp import deliver
+from delivery.smtp.outcome import Carried
+from delivery.smtp.types import RecipientResult
+from queues import clock
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.models import (
+    Attempt,
+    AttemptOutcome,
+    AttemptPhase,
+    Link,
+    Message,
+    MessageState,
+    Recipient,
+    RecipientState,
+)
+from tracking import record
+from tracking.models import TrackingEvent
+
+BODY = b"From: a@example.org\r\nTo: x\r\nSubject: early\r\n\r\nbody\r\n"
+
+
+def accept(*rcpts: IncomingRecipient) -> Message:
+    env = IncomingEnvelope(
+        mail_from="a@example.org",
+        recipients=list(rcpts),
+        client_address="127.0.0.1",
+        client_helo="client.test",
+    )
+    return message_accept(env, BODY)
+
+
+@pytest.fixture
+def relay(dns_settings, settings, smtp_port):
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
+    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=10)
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1  # one message after the other
+    dns_settings.a("example.net", "127.0.0.2")
+    return dns_settings
+
+
+def routed() -> Link:
+    while categorize_pending():
+        pass
+    return Link.objects.get()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_of_early_records_leaves_each_row_as_the_round_record_would(relay, sink_factory):
+    """Delivered, deferred and "relayed"-report recipients side by side: each
+    recipient written once, an attempt each, a message done only when nothing
+    is left to try, one tracking row per attempt, the report owed sent."""
+    sink = sink_factory("127.0.0.2", rcpt_replies={"later@example.net": "450 4.2.1 busy"})
+    plain = accept(IncomingRecipient("a@example.net"))
+    mixed = accept(IncomingRecipient("b@example.net"), IncomingRecipient("later@example.net"))
+    report = accept(IncomingRecipient("c@example.net", notify="SUCCESS"))
+    link = routed()
+
+    assert deliver.deliver_link(link.pk) == 4
+
+    assert len(sink.messages) == 3
+    states = dict(
+        Recipient.objects.filter(address__endswith="@example.net").values_list("address", "state")
+    )
+    assert states == {
+        "a@example.net": RecipientState.DELIVERED,
+        "b@example.net": RecipientState.DELIVERED,
+        "later@example.net": RecipientState.DEFERRED,
+        "c@example.net": RecipientState.DELIVERED,
+    }
+    delivered = Recipient.objects.get(address="a@example.net")
+    assert delivered.attempt_count == 1
+    assert delivered.lease_owner == "" and delivered.lease_until is None
+    assert delivered.final_at is not None and delivered.last_code == 250
+    assert delivered.last_host == "example.net [127.0.0.2]"
+    assert Attempt.objects.count() == 4
+    assert Attempt.objects.get(recipient=delivered).queue_id == delivered.queue_id
+    assert Message.objects.get(pk=plain.pk).state == MessageState.DONE
+    assert Message.objects.get(pk=report.pk).state == MessageState.DONE
+    assert Message.objects.get(pk=mixed.pk).state != MessageState.DONE  # "later" waits
+    events = TrackingEvent.objects.filter(  # tracking partitions outlive a test's flush
+        event__in=("delivered", "deferred"), message_pk__in=[plain.pk, mixed.pk, report.pk]
+    )
+    assert sorted(events.values_list("recipient", "event")) == [
+        ("a@example.net", "delivered"),
+        ("b@example.net", "delivered"),
+        ("c@example.net", "delivered"),
+        ("later@example.net", "deferred"),
+    ]
+    # c asked for NOTIFY=SUCCESS from a peer without DSN: a "relayed" report.
+    reports = Message.objects.filter(mail_from="").exclude(pk__in=[plain.pk, mixed.pk, report.pk])
+    assert reports.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_recipient_taken_back_before_the_early_record_keeps_its_new_owner(relay):
+    """The store writes only rows the round still holds; the attempt that
+    happened is recorded all the same, and a message is done only when all of
+    its recipients are final."""
+    first = accept(IncomingRecipient("a@example.net"))
+    second = accept(IncomingRecipient("b@example.net"))
+    link = routed()
+    ids = deliver.claim_round(link.pk, "round/1", 10)
+    assert len(ids) == 2
+    taken = Recipient.objects.get(message=second)
+    Recipient.objects.filter(pk=taken.pk).update(lease_owner="sweep/2")  # taken back meanwhile
+    now = clock.now()
+    results = [
+        RecipientResult(
+            recipient_id=r.pk,
+            message_id=r.message_id,
+            outcome=AttemptOutcome.DELIVERED,
+            phase=AttemptPhase.DATA,
+            code=250,
+            enhanced="2.0.0",
+            text="ok queued as ABC123",
+            host="mx.example.net",
+            ip="127.0.0.2",
+            started_at=now,
+        )
+        for r in Recipient.objects.filter(pk__in=ids)
+    ]
+    carried = Carried()
+
+    deliver._record_delivered(link, results, "round/1", carried)
+
+    kept = Recipient.objects.get(message=first)
+    assert kept.state == RecipientState.DELIVERED and kept.lease_owner == ""
+    taken.refresh_from_db()
+    assert taken.state == RecipientState.ACTIVE and taken.lease_owner == "sweep/2"
+    assert Attempt.objects.count() == 2
+    assert Message.objects.get(pk=first.pk).state == MessageState.DONE
+    assert Message.objects.get(pk=second.pk).state != MessageState.DONE
+    assert carried.delivered_queues == {kept.queue_id}
+    row = TrackingEvent.objects.get(event="delivered", message_pk=first.pk)
+    assert row.remote_id == "ABC123" and row.qid == first.qid
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tracking_write_that_fails_undoes_the_early_record_and_the_round_records_it(
+    relay, sink_factory, monkeypatch
+):
+    """The tracking rows go in the early record's transaction without a savepoint
+    of their own: when they fail, the early record rolls back whole and the
+    round's final record writes those deliveries — once each."""
+    sink = sink_factory("127.0.0.2")
+    ids = [accept(IncomingRecipient(f"u{i}@example.net")).pk for i in range(3)]
+    link = routed()
+    real_insert = record.insert
+    failed = []
+
+    def insert_failing_once(rows):
+        if not failed:
+            failed.append(rows)
+            raise DatabaseError("tracking_event is locked")
+        real_insert(rows)
+
+    monkeypatch.setattr(record, "insert", insert_failing_once)
+
+    assert deliver.deliver_link(link.pk) == 3
+
+    assert failed  # an early record's tracking write failed
+    assert len(sink.messages) == 3
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+    assert Attempt.objects.count() == 3
+    assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
+    delivered = TrackingEvent.objects.filter(event="delivered", message_pk__in=ids)
+    assert sorted(delivered.values_list("recipient", flat=True)) == [
+        "u0@example.net",
+        "u1@example.net",
+        "u2@example.net",
+    ]
