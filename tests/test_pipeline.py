@@ -376,6 +376,7 @@ def test_a_round_whose_recording_crashes_is_parked_not_looped(
         raise RuntimeError("a bug in recording")
 
     monkeypatch.setattr(deliver_module, "_record", broken)
+    monkeypatch.setattr(deliver_module, "_record_delivered", broken)  # the early record's
     drain()
     r = rcpt("u@example.net")
     assert r.state == RecipientState.DEFERRED

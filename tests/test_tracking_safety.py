@@ -79,7 +79,7 @@ def _attempt(outcome: str, recipient_id: int = 7) -> Attempt:
 )
 def test_a_round_that_lost_its_claim_reports_no_failure(owned, expected, monkeypatch):
     written: list = []
-    monkeypatch.setattr(hooks, "write", written.extend)
+    monkeypatch.setattr(hooks, "write", lambda rows, **_: written.extend(rows))
     from queues import clock
 
     row = SimpleNamespace(state=RecipientState.FAILED, address="b@example.net")
