@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import cache
 
@@ -545,17 +545,16 @@ class RecipientQuerySet(models.QuerySet):
 
     def record_delivered(
         self, attempts: Sequence[Mapping[str, object]], owner: str, now: datetime
-    ) -> list[Delivered]:
-        """Deliveries in ONE statement (PostgreSQL; an early record): as
-        ``record_round`` for rows ``owner`` holds, an Attempt row each (``attempts``:
-        its columns, ``last_host``; a lost claim's too: the try happened), finished
-        messages done (``finish_ids``). Returns them with their tracking facts."""
-        with connection.cursor() as cur:
-            cur.execute(
-                _record_delivered_sql(),
-                [jsonb_payload(attempts), now, owner, now, list(FINAL_RECIPIENT_STATES)],
-            )
-            return [Delivered(*row) for row in cur.fetchall()]
+    ) -> Callable[[], list[Delivered]]:
+        """Deliveries in ONE statement (PostgreSQL; an early record): as ``record_round``
+        for rows ``owner`` holds, an Attempt row each (``attempts``: its columns and
+        ``last_host``; a lost claim's too), finished messages done (``finish_ids``).
+        Returns how to read the rows written (after the caller's pipeline is sent)."""
+        ids, final = [a["recipient_id"] for a in attempts], list(FINAL_RECIPIENT_STATES)
+        params = {"rows": jsonb_payload(attempts), "ids": ids, "owner": owner, "now": now}
+        cur = connection.cursor()
+        cur.execute(_record_delivered_sql(), params | {"final": final})
+        return lambda: [Delivered(*row) for row in cur.fetchall()]
 
     def release(self, now: datetime) -> int:
         """Claimed rows a round never tried (it stopped early): waiting again, due now."""
@@ -681,21 +680,22 @@ def _record_delivered_sql() -> str:
     names = [f.attname for f in fields if f.attname not in ("id", "queue_id")]
     columns = field_columns(attempt, names)
     return f"""
-WITH v AS (SELECT * FROM {jsonb_rows("v", [*columns, ("last_host", "text")])}),
+WITH v AS (SELECT * FROM {jsonb_rows("v", [*columns, ("last_host", "text")], "%(rows)s")}),
 r AS (UPDATE queues_recipient AS t SET state = '{RecipientState.DELIVERED}',
   attempt_count = t.attempt_count + 1, last_attempt_at = v.started_at, last_code = v.code,
   last_enhanced = v.enhanced, last_text = v.text, last_host = v.last_host,
-  lease_owner = '', lease_until = NULL, final_at = %s
-  FROM v WHERE t.id = v.recipient_id AND t.state = '{RecipientState.ACTIVE}' AND t.lease_owner = %s
+  lease_owner = '', lease_until = NULL, final_at = %(now)s
+  FROM v WHERE t.id = ANY(%(ids)s::bigint[]) AND t.id = v.recipient_id
+  AND t.state = '{RecipientState.ACTIVE}' AND t.lease_owner = %(owner)s
   RETURNING t.id, t.message_id, t.queue_id, t.address),
 a AS (INSERT INTO {attempt._meta.db_table} ({", ".join(c for c, _ in columns)}, queue_id)
   SELECT {", ".join("v." + c for c, _ in columns)}, t.queue_id
-  FROM v JOIN queues_recipient AS t ON t.id = v.recipient_id),
-m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at = %s,
+  FROM v JOIN queues_recipient AS t ON t.id = ANY(%(ids)s::bigint[]) AND t.id = v.recipient_id),
+m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at = %(now)s,
   lease_owner = '', lease_until = NULL
   WHERE m.id IN (SELECT message_id FROM r) AND m.state <> '{MessageState.DONE}' AND NOT EXISTS (
   SELECT 1 FROM queues_recipient AS x WHERE x.message_id = m.id
-  AND x.state <> ALL(%s::varchar[]) AND x.id NOT IN (SELECT id FROM r)))
+  AND x.state <> ALL(%(final)s::varchar[]) AND x.id NOT IN (SELECT id FROM r)))
 SELECT r.id, r.message_id, r.queue_id, r.address, g.qid, g.mail_from, g.message_id
 FROM r JOIN queues_message AS g ON g.id = r.message_id"""
 

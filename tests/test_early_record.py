@@ -137,8 +137,9 @@ def test_a_recipient_taken_back_before_the_early_record_keeps_its_new_owner(rela
         for r in Recipient.objects.filter(pk__in=ids)
     ]
     carried = Carried()
+    index = {r.id: (r, m) for m in deliver._load_batch(ids) for r in m.recipients}
 
-    deliver._record_delivered(link, results, "round/1", carried)
+    deliver._record_delivered(link, results, "round/1", carried, index)
 
     kept = Recipient.objects.get(message=first)
     assert kept.state == RecipientState.DELIVERED and kept.lease_owner == ""

@@ -37,7 +37,8 @@ DELIVER_STATEMENTS = 32
 # failed tracking write rolls the early record back; the round's final record
 # writes it). The link, queue and cleared retry data wait for the round's end.
 # 4 with the two savepoints of the test's own transaction (BEGIN and COMMIT in
-# production); it was 9 (a SELECT of the rows, four writes, a savepoint).
+# production, BEGIN and both statements sent as one pipeline: two round trips);
+# it was 9 (a SELECT of the rows, four writes, a savepoint).
 EARLY_RECORD_STATEMENTS = 4
 
 

@@ -44,7 +44,7 @@ from queues import clock, counters
 from queues.bounce import dsn
 from queues.bounce import rule as dsn_rule
 from queues.bounce.notify import notify
-from queues.bulk import field_columns, insert_json
+from queues.bulk import field_columns, insert_json, pipelined
 from queues.dberrors import is_outage
 from queues.models import (
     Attempt,
@@ -56,6 +56,7 @@ from queues.models import (
     Message,
     Recipient,
 )
+from queues.outcomes import Delivered
 from queues.placement import special_queue
 from queues.signals import attempts_recorded
 from queues.text import scrub_nul
@@ -113,7 +114,9 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
     envelopes = list(
         Message.objects.filter(id__in=list(by_message))
         .order_by("id")
-        .values("id", "mail_from", "body_type", "smtputf8", "ret", "envid", "size")
+        .values(
+            "id", "mail_from", "body_type", "smtputf8", "ret", "envid", "size", "qid", "message_id"
+        )
     )
     preload, budget = [], PRELOAD_BYTES
     for m in envelopes:
@@ -136,6 +139,8 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
             smtputf8=m["smtputf8"],
             ret=m["ret"],
             envid=m["envid"],
+            qid=m["qid"],
+            header_id=m["message_id"],
         )
         for m in envelopes
     ]
@@ -457,12 +462,7 @@ def _deliver_round(
         return 0
     messages = _load_batch(ids)
     carried = Carried()
-    reports = {  # NOTIFY=SUCCESS: their delivery owes a "relayed" report
-        r.id
-        for m in messages
-        for r in m.recipients
-        if dsn_rule.wants(dsn_rule.SUCCESS, r.notify, m.mail_from)
-    }
+    index = {r.id: (r, m) for m in messages for r in m.recipients}
     if shaped is not None:
         config = shaped.claimed(messages)
     hops = [NextHop.from_json(h) for h in link.hosts]
@@ -489,7 +489,7 @@ def _deliver_round(
                 messages,
                 planned,
                 claim,
-                (lambda done: _record_early(link, done, owner, claim, carried, reports))
+                (lambda done: _record_early(link, done, owner, claim, carried, index))
                 if RECORD_EACH_MESSAGE
                 else None,
             )
@@ -552,32 +552,36 @@ def _report_tls(batch: BatchResult) -> None:
         )
 
 
+Index = dict[int, tuple[OutboundRecipient, OutboundMessage]]  # a round's, by recipient id
+
+
 def _record_early(
     link: Link,
     results: list[RecipientResult],
     owner: str,
     claim: Claim,
     carried: Carried,
-    reports: set[int],
+    index: Index,
 ) -> None:
     """Record finished messages while the round goes on (a peer answered, so the
     link is reachable); the round's final record skips them, as they are no
     longer the round's, and writes what they left it (``carried``). A failure
     here is not fatal: the final record retries.
 
-    Deliveries that owe no "relayed" report (``reports``: recipient ids whose
-    NOTIFY asks for one) take one statement (``_record_delivered``); the
-    others are decided and written as the final record writes them."""
+    Deliveries that owe no "relayed" report take one round trip
+    (``_record_delivered``); the others are decided and written as the final
+    record writes them."""
     quick: list[RecipientResult] = []
     rest: list[RecipientResult] = []
     for res in results:
+        rcpt, message = index[res.recipient_id]
         plain = res.outcome == AttemptOutcome.DELIVERED and (
-            res.peer_dsn or res.recipient_id not in reports
+            res.peer_dsn or not dsn_rule.wants(dsn_rule.SUCCESS, rcpt.notify, message.mail_from)
         )
         (quick if plain and connection.vendor == "postgresql" else rest).append(res)
     try:
         if quick:
-            while_connected(claim, lambda: _record_delivered(link, quick, owner, carried))
+            while_connected(claim, lambda: _record_delivered(link, quick, owner, carried, index))
         if rest:
             batch = BatchResult(rest, connected=True)
             while_connected(
@@ -588,27 +592,34 @@ def _record_early(
 
 
 def _record_delivered(
-    link: Link, results: list[RecipientResult], owner: str, carried: Carried
+    link: Link, results: list[RecipientResult], owner: str, carried: Carried, index: Index
 ) -> None:
-    """Deliveries recorded in one statement of the store
-    (``record_delivered``) and their tracking rows, in one transaction."""
+    """Deliveries recorded by one statement of the store (``record_delivered``)
+    and their tracking rows (made from what the round holds), in one
+    transaction: BEGIN and both statements go as one pipeline, then COMMIT —
+    two round trips to PostgreSQL while the connections wait, not four."""
     now = clock.now()
     for res in results:
         res.text, res.host = scrub_nul(res.text), scrub_nul(res.host)
     values = [attempt_values(res, now) | {"last_host": reply_host(res)} for res in results]
-    with transaction.atomic():
+    rows, facts = {}, {}
+    for res in results:
+        rcpt, m = index[res.recipient_id]
+        rows[rcpt.id] = Delivered(rcpt.id, m.id, None, rcpt.address, m.qid, m.mail_from, "")
+        facts[m.id] = (m.qid, m.mail_from, m.header_id)
+    with transaction.atomic(), pipelined():  # an error: raised at the pipeline's end
         written = Recipient.objects.record_delivered(values, owner, now)
         attempts_recorded.send(
             None,
             attempts=results,
-            rows={row.id: row for row in written},
+            rows=rows,
             link=link,
             now=now,
-            facts={row.message_id: (row.qid, row.sender, row.header_id) for row in written},
+            facts=facts,
             own_savepoint=False,  # a failed tracking write: the final record writes all
         )
         counters.record_delivery(results)
-    carried.keep_delivered(written, results)
+    carried.keep_delivered(written(), results)  # after the commit
 
 
 def _record_crash(owner: str) -> None:

@@ -79,6 +79,10 @@ class OutboundMessage:
     smtputf8: bool = False
     ret: str = ""
     envid: str = ""
+    # What the round's records say of it besides (tracking rows): its queue id
+    # and its Message-ID header field.
+    qid: str = ""
+    header_id: str = ""
 
 
 @dataclass
