@@ -276,7 +276,10 @@ class Attempt(models.Model):
     """One try to deliver one recipient: where, when, and what the peer said."""
 
     recipient = models.ForeignKey(Recipient, on_delete=models.CASCADE, related_name="attempts")
-    message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="attempts")
+    # Indexed by attempt_by_message (message, started_at), which leads with it.
+    message = models.ForeignKey(
+        Message, on_delete=models.CASCADE, related_name="attempts", db_index=False
+    )
     queue = models.ForeignKey(Queue, null=True, on_delete=models.SET_NULL, related_name="+")
     started_at = models.DateTimeField()
     duration_ms = models.PositiveIntegerField(default=0)
