@@ -65,7 +65,8 @@ def pipelined() -> Iterator[None]:
         yield
         return
     connection.ensure_connection()
-    with connection.connection.pipeline():
+    # An error arrives when the pipeline is sent: as Django's, as any other.
+    with connection.wrap_database_errors, connection.connection.pipeline():
         yield
 
 

@@ -187,3 +187,36 @@ def test_a_tracking_write_that_fails_undoes_the_early_record_and_the_round_recor
         "u1@example.net",
         "u2@example.net",
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_early_record_whose_commit_answer_is_lost_is_not_written_twice(
+    relay, sink_factory, monkeypatch
+):
+    """The connection drops after the COMMIT went through (its answer lost): the
+    deliveries are written again by the decided path, which writes only rows the
+    round still holds — none — so each attempt and tracking row exists once."""
+    from django.db import OperationalError
+
+    sink = sink_factory("127.0.0.2")
+    ids = [accept(IncomingRecipient(f"v{i}@example.net")).pk for i in range(3)]
+    link = routed()
+    real = deliver._record_delivered
+    lost = []
+
+    def committed_then_lost(*args, **kwargs):
+        real(*args, **kwargs)
+        lost.append(args[1])
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(deliver, "_record_delivered", committed_then_lost)
+
+    assert deliver.deliver_link(link.pk) == 3
+
+    assert lost  # every early record "lost" its answer
+    assert len(sink.messages) == 3
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+    assert Attempt.objects.count() == 3
+    assert Recipient.objects.filter(attempt_count=1).count() == 3
+    delivered = TrackingEvent.objects.filter(event="delivered", message_pk__in=ids)
+    assert delivered.count() == 3

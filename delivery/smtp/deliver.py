@@ -568,9 +568,9 @@ def _record_early(
     longer the round's, and writes what they left it (``carried``). A failure
     here is not fatal: the final record retries.
 
-    Deliveries that owe no "relayed" report take one round trip
-    (``_record_delivered``); the others are decided and written as the final
-    record writes them."""
+    Deliveries that owe no "relayed" report are one statement of the store
+    and their tracking rows (``_record_delivered``); the others are decided
+    and written as the final record writes them."""
     quick: list[RecipientResult] = []
     rest: list[RecipientResult] = []
     for res in results:
@@ -579,16 +579,45 @@ def _record_early(
             res.peer_dsn or not dsn_rule.wants(dsn_rule.SUCCESS, rcpt.notify, message.mail_from)
         )
         (quick if plain and connection.vendor == "postgresql" else rest).append(res)
+    for part, record in ((quick, _record_quickly), (rest, _record_decided)):
+        if not part:
+            continue
+        try:
+            record(link, part, owner, claim, carried, index)
+        except Exception:  # noqa: BLE001 - the final record writes them
+            log.exception("recording finished messages of link %s early failed", link.pk)
+
+
+def _record_quickly(
+    link: Link,
+    results: list[RecipientResult],
+    owner: str,
+    claim: Claim,
+    carried: Carried,
+    index: Index,
+) -> None:
+    """``_record_delivered``, never run twice: when the database went away (its
+    COMMIT may have happened all the same), the decided path writes them, as it
+    writes only rows the round still holds, once the database is back."""
     try:
-        if quick:
-            while_connected(claim, lambda: _record_delivered(link, quick, owner, carried, index))
-        if rest:
-            batch = BatchResult(rest, connected=True)
-            while_connected(
-                claim, lambda: _record(link, batch, owner, final=False, carried=carried)
-            )
-    except Exception:  # noqa: BLE001 - the final record writes them
-        log.exception("recording finished messages of link %s early failed", link.pk)
+        _record_delivered(link, results, owner, carried, index)
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+        log.warning("recording deliveries of link %s: the database went away; again", link.pk)
+        _record_decided(link, results, owner, claim, carried, index)
+
+
+def _record_decided(
+    link: Link,
+    results: list[RecipientResult],
+    owner: str,
+    claim: Claim,
+    carried: Carried,
+    index: Index,
+) -> None:
+    batch = BatchResult(results, connected=True)
+    while_connected(claim, lambda: _record(link, batch, owner, final=False, carried=carried))
 
 
 def _record_delivered(
@@ -596,8 +625,10 @@ def _record_delivered(
 ) -> None:
     """Deliveries recorded by one statement of the store (``record_delivered``)
     and their tracking rows (made from what the round holds), in one
-    transaction: BEGIN and both statements go as one pipeline, then COMMIT —
-    two round trips to PostgreSQL while the connections wait, not four."""
+    transaction: BEGIN, both statements as one pipeline, COMMIT — three round
+    trips to PostgreSQL while the connections wait (the decided path: a SELECT,
+    four writes, a savepoint). Never run twice for the same results
+    (``_record_quickly``): its attempts and tracking rows would be written twice."""
     now = clock.now()
     for res in results:
         res.text, res.host = scrub_nul(res.text), scrub_nul(res.host)
