@@ -64,13 +64,10 @@ class RoundOutcome:
 @dataclass(slots=True)
 class Delivered:
     """A recipient written DELIVERED by an early record
-    (``Recipient.objects.record_delivered``), with its message's tracking facts."""
+    (``Recipient.objects.record_delivered``)."""
 
     id: int
     message_id: int
     queue_id: int | None
     address: str
-    qid: str
-    sender: str
-    header_id: str  # the Message-ID header field
     state: str = "delivered"

@@ -696,8 +696,7 @@ m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at
   WHERE m.id IN (SELECT message_id FROM r) AND m.state <> '{MessageState.DONE}' AND NOT EXISTS (
   SELECT 1 FROM queues_recipient AS x WHERE x.message_id = m.id
   AND x.state <> ALL(%(final)s::varchar[]) AND x.id NOT IN (SELECT id FROM r)))
-SELECT r.id, r.message_id, r.queue_id, r.address, g.qid, g.mail_from, g.message_id
-FROM r JOIN queues_message AS g ON g.id = r.message_id"""
+SELECT id, message_id, queue_id, address FROM r"""
 
 
 def _not_locked(expired: models.QuerySet) -> models.QuerySet:

@@ -636,7 +636,7 @@ def _record_delivered(
     rows, facts = {}, {}
     for res in results:
         rcpt, m = index[res.recipient_id]
-        rows[rcpt.id] = Delivered(rcpt.id, m.id, None, rcpt.address, m.qid, m.mail_from, "")
+        rows[rcpt.id] = Delivered(rcpt.id, m.id, None, rcpt.address)
         facts[m.id] = (m.qid, m.mail_from, m.header_id)
     with transaction.atomic(), pipelined():  # an error: raised at the pipeline's end
         written = Recipient.objects.record_delivered(values, owner, now)
@@ -650,7 +650,8 @@ def _record_delivered(
             own_savepoint=False,  # a failed tracking write: the final record writes all
         )
         counters.record_delivery(results)
-    carried.keep_delivered(written(), results)  # after the commit
+    senders = {m.id: m.mail_from for _, m in (index[res.recipient_id] for res in results)}
+    carried.keep_delivered(written(), results, senders)  # after the commit
 
 
 def _record_crash(owner: str) -> None:

@@ -12,6 +12,7 @@ store's transitions, in one transaction.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -221,13 +222,20 @@ class Carried:
         self.cleared_hints.update(dict.fromkeys(rnd.cleared_hints))
         self.tls = tls_summary(rnd.attempts) or self.tls
 
-    def keep_delivered(self, written: list[Delivered], results: list[RecipientResult]) -> None:
-        """``keep`` for an early record of deliveries (``record_delivered``)."""
+    def keep_delivered(
+        self,
+        written: list[Delivered],
+        results: list[RecipientResult],
+        senders: Mapping[int, str],
+    ) -> None:
+        """``keep`` for an early record of deliveries (``record_delivered``);
+        ``senders``: the envelope sender by message id."""
         by_id = {res.recipient_id: res for res in results}
         for row in written:
             res = by_id[row.id]
             self.delivered_queues.add(row.queue_id)
-            cleared = retry.cleared_by_delivery(row.address, row.sender, res.host, res.ip)
+            sender = senders[row.message_id]
+            cleared = retry.cleared_by_delivery(row.address, sender, res.host, res.ip)
             self.cleared_hints.update(dict.fromkeys(cleared))
         self.tls = tls_summary(results) or self.tls
 
