@@ -19,12 +19,12 @@ from queues.filters import MessageFilter, messages_page, messages_prefetch
 from queues.models import Attempt, AttemptOutcome, Queue, QueueSample
 from queues.services.counts import current_counts
 from queues.ui.views import (
-    _message_row,
-    _page,
-    _query,
-    _queue_live,
-    _queue_rows,
-    _totals,
+    message_row,
+    query_string,
+    queue_live_data,
+    queue_rows,
+    render_page,
+    totals_context,
     viewer_required,
 )
 
@@ -49,12 +49,15 @@ def incidents_page(request: HttpRequest) -> HttpResponse:
         d = inc.as_dict()
         d["spark"] = spark(inc.trend)
         d["queue_links"] = [
-            {"name": q["name"], "query": _query({"queue": str(q["id"]), "error_group": inc.error})}
+            {
+                "name": q["name"],
+                "query": query_string({"queue": str(q["id"]), "error_group": inc.error}),
+            }
             for q in d["queues"]
         ]
         rows.append(d)
     errors = [dict(i.as_dict(), spark=spark(i.trend)) for i in found.by_error]
-    return _page(
+    return render_page(
         request,
         "insight/incidents.html",
         "incidents",
@@ -125,12 +128,12 @@ HELD_SHOWN = 20  # messages listed on a queue's page (the rest: its messages lis
 
 
 def _live(queue: Queue, now: datetime, row: dict[str, Any] | None = None) -> dict[str, Any]:
-    row = row or _queue_rows([queue], now)[0]
+    row = row or queue_rows([queue], now)[0]
     link = queue.link if queue.link_id else None
     groups = sorted(deferral_groups(now, queue.pk).groups, key=lambda g: -g.recipients)
     return {
         "now": now.isoformat(),
-        "queue": _queue_live(row),
+        "queue": queue_live_data(row),
         "link": {
             "name": link.name,
             "state": link.state,
@@ -148,7 +151,7 @@ def _live(queue: Queue, now: datetime, row: dict[str, Any] | None = None) -> dic
                 "enhanced": g.enhanced,
                 "text": g.text,
                 "recipients": g.recipients,
-                "query": _query(
+                "query": query_string(
                     {"queue": str(queue.pk), "status": "retry"}
                     if g.other
                     else {"queue": str(queue.pk), "error_group": g.text}
@@ -164,7 +167,7 @@ def _held_rows(queue: Queue) -> list[dict[str, Any]]:
     """The first messages the queue holds, newest first: what its count counts."""
     page = messages_page(MessageFilter(queue=queue.pk), None, None, HELD_SHOWN)
     recipients = messages_prefetch(page.items)
-    return [_message_row(m, recipients[m.pk]) for m in page.items]
+    return [message_row(m, recipients[m.pk]) for m in page.items]
 
 
 @viewer_required
@@ -173,19 +176,19 @@ def queue_page(request: HttpRequest, pk: int) -> HttpResponse:
     now = clock.now()
     counts = current_counts(now)  # before the row is read: the count it shows is this one
     queue = get_object_or_404(Queue.objects.select_related("link"), pk=pk)
-    row = _queue_rows([queue], now)[0]
-    return _page(
+    row = queue_rows([queue], now)[0]
+    return render_page(
         request,
         "insight/queue.html",
         "queues",
-        totals=_totals(counts, now),
+        totals=totals_context(counts, now),
         q=queue,
         row=row,
         live=_live(queue, now, row),
         held=_held_rows(queue),
         held_shown=HELD_SHOWN,
         as_of=counts.text(now),
-        messages_query=_query({"queue": str(queue.pk)}),
+        messages_query=query_string({"queue": str(queue.pk)}),
     )
 
 

@@ -14,7 +14,7 @@ from django.shortcuts import get_object_or_404, redirect
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from queues.permissions import ADMIN, can_read_content, has_role
-from queues.ui.views import _page, viewer_required
+from queues.ui.views import render_page, viewer_required
 from tracking import endpoints as services
 from tracking.events import TRACKING_EVENTS, WEBHOOK_EVENTS
 from tracking.models import WebhookEndpoint
@@ -49,7 +49,7 @@ def tracking_search(request: HttpRequest) -> HttpResponse:
         rows = page.rows
     except SearchError as exc:
         flash.error(request, str(exc))
-    return _page(
+    return render_page(
         request,
         "tracking/search.html",
         "tracking",
@@ -88,7 +88,7 @@ def webhook_list(request: HttpRequest) -> HttpResponse:
             flash.success(request, f"Webhook {endpoint.name} added.")
             _warn(request, endpoint)
             return _detail_page(request, endpoint, new_secret=endpoint.secret)
-    return _page(
+    return render_page(
         request,
         "tracking/webhooks.html",
         "webhooks",
@@ -126,7 +126,7 @@ def _detail_page(
 ) -> HttpResponse:
     """The endpoint's page; ``new_secret`` (after creation or rotation) is shown this
     once, in the answer to that POST (never stored in the session or a redirect)."""
-    response = _page(
+    response = render_page(
         request,
         "tracking/webhook.html",
         "webhooks",

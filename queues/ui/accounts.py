@@ -20,7 +20,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from queues.permissions import ADMIN, has_role
 from queues.services import accounts
-from queues.ui.base import _page
+from queues.ui.base import render_page
 
 
 def admin_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
@@ -61,7 +61,7 @@ def account_list(request: HttpRequest) -> HttpResponse:
             flash.success(request, f"SMTP account {account.username} added.")
             return redirect("ui:smtp_accounts")
     rows = [accounts.account_summary(a) for a in accounts.list_accounts()]
-    return _page(request, "ui/smtp_accounts.html", "smtp_accounts", accounts=rows, form=form)
+    return render_page(request, "ui/smtp_accounts.html", "smtp_accounts", accounts=rows, form=form)
 
 
 @admin_required
@@ -91,7 +91,7 @@ def account_detail(request: HttpRequest, username: str) -> HttpResponse:
         else:
             flash.success(request, f"SMTP account {username} saved.")
             return redirect("ui:smtp_account", username=username)
-    return _page(
+    return render_page(
         request,
         "ui/smtp_account.html",
         "smtp_accounts",

@@ -1,6 +1,6 @@
 """What every Queue Viewer page shares: access, the page frame, the action helpers.
 
-``viewer_required`` and ``operator_required`` guard the views; ``_page``
+``viewer_required`` and ``operator_required`` guard the views; ``render_page``
 renders a page with the header's totals (the queue rows' counts, never
 counted per view); the action helpers turn an action's outcome or its
 ``ActionConflict`` (the API's 409) into a flash message.
@@ -45,7 +45,7 @@ from queues.spec import OPTION_HELP, OperatorAction
 from queues.ui.display import relative_text
 
 
-def _ui_action(request: HttpRequest, table: dict[str, OperatorAction], name: str):
+def ui_action(request: HttpRequest, table: dict[str, OperatorAction], name: str):
     """The action ``name`` of ``table`` if the user may run it; None when unknown."""
     spec = table.get(name)
     if spec is not None and not spec.allowed(request.user):
@@ -81,10 +81,10 @@ def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpRe
     return wrapper
 
 
-def _page(request: HttpRequest, template: str, section: str, **context: Any) -> HttpResponse:
+def render_page(request: HttpRequest, template: str, section: str, **context: Any) -> HttpResponse:
     if "totals" not in context:
         now = clock.now()
-        context["totals"] = _totals(current_counts(now), now)
+        context["totals"] = totals_context(current_counts(now), now)
     context.update(
         section=section,
         role=user_role(request.user) or "no role",
@@ -94,7 +94,7 @@ def _page(request: HttpRequest, template: str, section: str, **context: Any) -> 
     return render(request, template, context)
 
 
-def _back(request: HttpRequest, fallback: str) -> HttpResponseRedirect:
+def redirect_back(request: HttpRequest, fallback: str) -> HttpResponseRedirect:
     """Where an action returns to: the page that posted it (``next``), else ``fallback``."""
     target = request.POST.get("next") or request.GET.get("next") or ""
     if not url_has_allowed_host_and_scheme(
@@ -104,7 +104,7 @@ def _back(request: HttpRequest, fallback: str) -> HttpResponseRedirect:
     return HttpResponseRedirect(target or fallback)
 
 
-def _ids(values: list[str]) -> list[int]:
+def parse_ids(values: list[str]) -> list[int]:
     out = []
     for value in values:
         try:
@@ -116,7 +116,7 @@ def _ids(values: list[str]) -> list[int]:
     return out
 
 
-def _totals(counts: CountsAsOf, now) -> dict[str, Any]:
+def totals_context(counts: CountsAsOf, now) -> dict[str, Any]:
     """The header's numbers: the queue rows' counts (``current_counts`` first), one
     aggregate. ``messages``: what the queues hold except the dead letters (a
     message waiting for two destinations counts in each, as in their rows)."""
@@ -134,36 +134,36 @@ def _totals(counts: CountsAsOf, now) -> dict[str, Any]:
     return totals
 
 
-def _query(params: dict[str, str]) -> str:
+def query_string(params: dict[str, str]) -> str:
     q = QueryDict(mutable=True)
     for k, v in params.items():
         q[k] = v
     return q.urlencode()
 
 
-def _conflict(request: HttpRequest, error: ActionConflict) -> None:
+def report_conflict(request: HttpRequest, error: ActionConflict) -> None:
     flash.error(request, f"Not done: {error.message}. Nothing was changed.")
 
 
-def _option_fields(spec: OperatorAction | None, given: dict[str, Any]) -> list[tuple[str, str]]:
+def spec_option_fields(spec: OperatorAction | None, given: dict[str, Any]) -> list[tuple[str, str]]:
     """The options a confirmation page asks for: those the action takes, not given yet."""
     if spec is None:
         return []
     return [(name, OPTION_HELP[name]) for name in spec.takes_in_bulk if name not in given]
 
 
-def _action_options(spec: OperatorAction, data, bulk: bool = False) -> dict[str, Any]:
+def action_options(spec: OperatorAction, data, bulk: bool = False) -> dict[str, Any]:
     """The options of the form (until, to, recipient, sender) this action takes."""
     names = spec.takes_in_bulk if bulk else spec.params
     return {name: data.get(name, "").strip() for name in names if data.get(name, "").strip()}
 
 
-def _sample_rows(preview: Any) -> list[dict[str, Any]]:
+def sample_rows(preview: Any) -> list[dict[str, Any]]:
     """The preview's first messages, with their age in words, for confirm.html."""
     return [dict(row, age=age_words(row["age_seconds"])) for row in preview.sample]
 
 
-def _bulk_result(
+def bulk_result(
     request: HttpRequest, label: str, changed: int, selected: int | None, noun: str
 ) -> None:
     of = f" of {selected} selected" if selected is not None else " matching"
@@ -176,5 +176,5 @@ def _bulk_result(
         )
 
 
-def _next_attempt(when, now) -> str:
+def next_attempt_text(when, now) -> str:
     return "due" if when <= now else relative_text(when, now)

@@ -36,19 +36,19 @@ from queues.services.counts import (
 from queues.services.reroute import REROUTABLE
 from queues.spec import QUEUE_ACTIONS, actions_for
 from queues.ui.base import (
-    _action_options,
-    _back,
-    _bulk_result,
-    _conflict,
-    _ids,
-    _next_attempt,
-    _option_fields,
-    _page,
-    _query,
-    _sample_rows,
-    _totals,
-    _ui_action,
+    action_options,
+    bulk_result,
+    next_attempt_text,
     operator_required,
+    parse_ids,
+    query_string,
+    redirect_back,
+    render_page,
+    report_conflict,
+    sample_rows,
+    spec_option_fields,
+    totals_context,
+    ui_action,
     viewer_required,
 )
 from queues.ui.display import age_text, rate_text
@@ -100,7 +100,7 @@ def _queue_row(queue: Queue, now, next_at=None) -> dict[str, Any]:
         "status_label": QueueStatus(status).label,
         # The earliest next attempt over its recipients, not before the link's retry.
         "next_retry_at": next_at,
-        "next_retry": _next_attempt(next_at, now) if next_at is not None else "",
+        "next_retry": next_attempt_text(next_at, now) if next_at is not None else "",
         "last_error": last_error,
         "oldest": age_text(queue.oldest_received_at, now),
         "rate_in": rate_text(queue.incoming_rate),
@@ -114,12 +114,12 @@ def _queue_row(queue: Queue, now, next_at=None) -> dict[str, Any]:
     }
 
 
-def _queue_rows(queues: list[Queue], now) -> list[dict[str, Any]]:
+def queue_rows(queues: list[Queue], now) -> list[dict[str, Any]]:
     nexts = next_attempts(queues)
     return [_queue_row(q, now, nexts.get(q.pk)) for q in queues]
 
 
-def _queue_live(row: dict[str, Any]) -> dict[str, Any]:
+def queue_live_data(row: dict[str, Any]) -> dict[str, Any]:
     return {
         "count": row["queue"].message_count,
         "status": row["status"],
@@ -144,14 +144,14 @@ def queue_list(request: HttpRequest) -> HttpResponse:
     try:
         f = QueueFilter.from_params(request.GET)
         page = queues_page(f, request.GET.get("sort"), request.GET.get("cursor"), QUEUES_PER_PAGE)
-        rows = _queue_rows(page.items, now)
+        rows = queue_rows(page.items, now)
     except FilterError as e:
         flash.error(request, str(e))
-    return _page(
+    return render_page(
         request,
         "ui/queue_list.html",
         "queues",
-        totals=_totals(counts, now),
+        totals=totals_context(counts, now),
         form=form,
         rows=rows,
         page=page,
@@ -166,45 +166,45 @@ def queue_list(request: HttpRequest) -> HttpResponse:
 def qshape_view(request: HttpRequest) -> HttpResponse:
     by = "domain" if request.GET.get("by") == "domain" else "queue"
     shape = qshape(clock.now(), by=by, top=50)
-    return _page(request, "ui/qshape.html", "queues", shape=shape, by=by)
+    return render_page(request, "ui/qshape.html", "queues", shape=shape, by=by)
 
 
 @operator_required
 @require_POST
 def queue_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
-    spec = _ui_action(request, UI_QUEUE_ACTIONS, action)
+    spec = ui_action(request, UI_QUEUE_ACTIONS, action)
     if spec is None:
         return HttpResponseBadRequest("unknown queue action")
     queue = get_object_or_404(Queue, pk=pk)
     try:
-        count = spec.run(queue, request.user, Via.UI, **_action_options(spec, request.POST))
+        count = spec.run(queue, request.user, Via.UI, **action_options(spec, request.POST))
     except ActionConflict as e:
-        _conflict(request, e)
+        report_conflict(request, e)
     else:
         flash.success(request, f"{spec.past} queue {queue.name} ({count} messages waiting).")
-    return _back(request, reverse("ui:queues"))
+    return redirect_back(request, reverse("ui:queues"))
 
 
 @operator_required
 @require_POST
 def queues_bulk(request: HttpRequest) -> HttpResponse:
-    spec = _ui_action(request, UI_QUEUE_ACTIONS, request.POST.get("action", ""))
+    spec = ui_action(request, UI_QUEUE_ACTIONS, request.POST.get("action", ""))
     if spec is None:
         return HttpResponseBadRequest("unknown queue action")
-    ids = _ids(request.POST.getlist("ids"))
+    ids = parse_ids(request.POST.getlist("ids"))
     if not ids:
         flash.warning(request, "Select at least one queue first.")
-        return _back(request, reverse("ui:queues"))
-    options = _action_options(spec, request.POST, bulk=True)
+        return redirect_back(request, reverse("ui:queues"))
+    options = action_options(spec, request.POST, bulk=True)
     try:
         changed = spec.apply(
             Queue.objects.filter(id__in=ids), request.user, Via.UI, ids=ids, **options
         )
     except ActionConflict as e:
-        _conflict(request, e)
-        return _back(request, reverse("ui:queues"))
-    _bulk_result(request, spec.label, changed, len(ids), "queues")
-    return _back(request, reverse("ui:queues"))
+        report_conflict(request, e)
+        return redirect_back(request, reverse("ui:queues"))
+    bulk_result(request, spec.label, changed, len(ids), "queues")
+    return redirect_back(request, reverse("ui:queues"))
 
 
 @operator_required
@@ -212,7 +212,7 @@ def queues_bulk(request: HttpRequest) -> HttpResponse:
 def queues_confirm(request: HttpRequest) -> HttpResponse:
     """A queue action on every queue a filter selects: count first, then confirm."""
     params = request.POST if request.method == "POST" else request.GET
-    spec = _ui_action(request, UI_QUEUE_ACTIONS, params.get("action", ""))
+    spec = ui_action(request, UI_QUEUE_ACTIONS, params.get("action", ""))
     if spec is None:
         return HttpResponseBadRequest("unknown queue action")
     try:
@@ -221,18 +221,18 @@ def queues_confirm(request: HttpRequest) -> HttpResponse:
         flash.error(request, str(e))
         return redirect("ui:queues")
     qs = f.queryset()
-    options = _action_options(spec, params, bulk=True)
-    back = reverse("ui:queues") + "?" + _query(f.as_params())
+    options = action_options(spec, params, bulk=True)
+    back = reverse("ui:queues") + "?" + query_string(f.as_params())
     try:
         if request.method == "POST":
             changed = spec.apply(qs, request.user, Via.UI, filter=f.as_params(), **options)
-            _bulk_result(request, spec.label, changed, None, "queues")
+            bulk_result(request, spec.label, changed, None, "queues")
             return HttpResponseRedirect(back)
         preview = spec.dry_run(qs, partial=True, **options)  # the page asks for what is missing
     except ActionConflict as e:
-        _conflict(request, e)
+        report_conflict(request, e)
         return HttpResponseRedirect(back)
-    return _page(
+    return render_page(
         request,
         "ui/confirm.html",
         "queues",
@@ -242,10 +242,10 @@ def queues_confirm(request: HttpRequest) -> HttpResponse:
         # the action's own selection: exactly the queues it will change
         count=preview.count,
         consequences=preview.lines("queues"),
-        sample=_sample_rows(preview),
+        sample=sample_rows(preview),
         options=options,
-        option_fields=_option_fields(spec, options),
+        option_fields=spec_option_fields(spec, options),
         params=f.as_params(),
-        cancel=reverse("ui:queues") + "?" + _query(f.as_params()),
+        cancel=reverse("ui:queues") + "?" + query_string(f.as_params()),
         post_url=reverse("ui:queues_confirm"),
     )

@@ -22,7 +22,7 @@ from queues import clock
 from queues.models import Event
 from queues.services import dkim_keys
 from queues.ui.accounts import admin_required
-from queues.ui.base import _page, viewer_required
+from queues.ui.base import render_page, viewer_required
 from queues.ui.display import relative_text
 
 HISTORY_SHOWN = 30  # the newest intervals of a resource's history, one cell each
@@ -71,7 +71,7 @@ def backpressure_page(request: HttpRequest) -> HttpResponse:
     changes = Event.objects.filter(
         kind=store.EVENT_KIND, created_at__gte=now - RECENT_WINDOW
     ).order_by("-created_at", "-id")
-    return _page(
+    return render_page(
         request,
         "ui/backpressure.html",
         "backpressure",
@@ -94,7 +94,7 @@ def alerts_page(request: HttpRequest) -> HttpResponse:
     history = Event.objects.filter(kind="alert", created_at__gte=now - RECENT_WINDOW).order_by(
         "-created_at", "-id"
     )[:RECENT_CHANGES]
-    return _page(request, "ui/alerts.html", "alerts", alerts=rows, history=list(history))
+    return render_page(request, "ui/alerts.html", "alerts", alerts=rows, history=list(history))
 
 
 @admin_required
@@ -118,7 +118,7 @@ def dkim_page(request: HttpRequest) -> HttpResponse:
             flash.error(request, str(exc))
         else:
             form = {"domain": "", "selector": "", "algorithm": "rsa"}
-    response = _page(
+    response = render_page(
         request, "ui/dkim.html", "dkim", keys=dkim_keys.keys(), form=form, generated=generated
     )
     if request.method == "POST" and generated is None:

@@ -73,26 +73,26 @@ from queues.services.counts import (
 from queues.services.timed import until_text
 from queues.spec import MESSAGE_ACTIONS, OperatorAction, actions_for
 from queues.ui.base import (
-    _action_options,
-    _back,
-    _bulk_result,
-    _conflict,
-    _ids,
-    _next_attempt,
-    _option_fields,
-    _page,
-    _query,
-    _sample_rows,
-    _totals,
-    _ui_action,
+    action_options,
+    bulk_result,
+    next_attempt_text,
     operator_required,
+    parse_ids,
+    query_string,
+    redirect_back,
+    render_page,
+    report_conflict,
+    sample_rows,
+    spec_option_fields,
+    totals_context,
+    ui_action,
     viewer_required,
 )
 from queues.ui.display import relative_text, size_text, visible_text
 from queues.ui.forms import MessageFilterForm
 from queues.ui.queue_views import (
-    _queue_live,
-    _queue_rows,
+    queue_live_data,
+    queue_rows,
 )
 
 MESSAGES_PER_PAGE = 50
@@ -121,7 +121,7 @@ def _last_error(recipients: list[Recipient]) -> str:
     return f"{code} {latest.last_text}".strip()
 
 
-def _message_row(message: Message, recipients: list[Recipient]) -> dict[str, Any]:
+def message_row(message: Message, recipients: list[Recipient]) -> dict[str, Any]:
     status = message_status(message, [r.state for r in recipients])
     queues: dict[int, Queue] = {}
     for r in recipients:
@@ -177,12 +177,12 @@ def message_list(request: HttpRequest) -> HttpResponse:
         limit = parse_limit(request.GET.get("limit"), MESSAGES_PER_PAGE)
         page = messages_page(f, request.GET.get("sort"), request.GET.get("cursor"), limit)
         recipients = messages_prefetch(page.items)
-        rows = [_message_row(m, recipients[m.pk]) for m in page.items]
+        rows = [message_row(m, recipients[m.pk]) for m in page.items]
     except FilterError as e:
         filter_error = str(e)
         flash.error(request, filter_error)
     queue = Queue.objects.filter(pk=f.queue).first() if f.queue is not None else None
-    return _page(
+    return render_page(
         request,
         "ui/message_list.html",
         "messages",
@@ -225,14 +225,16 @@ def message_detail(request: HttpRequest, pk: int) -> HttpResponse:
         headers = message_headers(message)
         preview, preview_cut = message_body_preview(message)
         preview = visible_text(preview)
-    row = _message_row(message, recipients)
-    return _page(
+    row = message_row(message, recipients)
+    return render_page(
         request,
         "ui/message_detail.html",
         "messages",
         m=message,
         row=row,
-        recipients=[{"r": r, "next": _next_attempt(r.next_attempt_at, now)} for r in recipients],
+        recipients=[
+            {"r": r, "next": next_attempt_text(r.next_attempt_at, now)} for r in recipients
+        ],
         attempts=attempts[:ATTEMPTS_SHOWN],
         attempts_cut=len(attempts) > ATTEMPTS_SHOWN,
         events=events[:EVENTS_SHOWN],
@@ -279,7 +281,7 @@ def deferrals(request: HttpRequest) -> HttpResponse:
         entry["groups"].append(
             {
                 "group": g,
-                "query": _query(
+                "query": query_string(
                     {"queue": str(g.queue_id), "status": "retry"}
                     if g.other  # several errors merged (insight.deferrals): the queue's
                     else {"queue": str(g.queue_id), "error_group": g.text}
@@ -288,7 +290,7 @@ def deferrals(request: HttpRequest) -> HttpResponse:
         )
         entry["total"] += g.recipients
     destinations = sorted(by_queue.values(), key=lambda e: (-e["total"], e["name"]))
-    return _page(
+    return render_page(
         request,
         "ui/deferrals.html",
         "deferrals",
@@ -311,13 +313,13 @@ def audit(request: HttpRequest) -> HttpResponse:
                 "entry": e,
                 "ids": list(e.target_ids or [])[:20],
                 "more_ids": max(len(e.target_ids or []) - 20, 0),
-                "filter_query": _query({k: str(v) for k, v in (e.filter or {}).items()}),
+                "filter_query": query_string({k: str(v) for k, v in (e.filter or {}).items()}),
             }
             for e in page.items
         ]
     except FilterError as e:
         flash.error(request, str(e))
-    return _page(request, "ui/audit.html", "audit", entries=entries, page=page)
+    return render_page(request, "ui/audit.html", "audit", entries=entries, page=page)
 
 
 @viewer_required
@@ -326,18 +328,18 @@ def live(request: HttpRequest) -> JsonResponse:
     """The small JSON the pages poll: totals, the shown queues and messages, the chart."""
     now = clock.now()
     counts = current_counts(now)
-    data: dict[str, Any] = {"now": now.isoformat(), "totals": _totals(counts, now)}
-    queue_ids = _ids(request.GET.get("queues", "").split(","))[:LIVE_MAX_IDS]
+    data: dict[str, Any] = {"now": now.isoformat(), "totals": totals_context(counts, now)}
+    queue_ids = parse_ids(request.GET.get("queues", "").split(","))[:LIVE_MAX_IDS]
     if queue_ids:
         queues = list(Queue.objects.filter(id__in=queue_ids).select_related("link"))
-        rows = _queue_rows(queues, now)
-        data["queues"] = {str(row["queue"].pk): _queue_live(row) for row in rows}
-    message_ids = _ids(request.GET.get("messages", "").split(","))[:LIVE_MAX_IDS]
+        rows = queue_rows(queues, now)
+        data["queues"] = {str(row["queue"].pk): queue_live_data(row) for row in rows}
+    message_ids = parse_ids(request.GET.get("messages", "").split(","))[:LIVE_MAX_IDS]
     if message_ids:
         found = list(Message.objects.filter(id__in=message_ids).defer("data"))
         recipients = messages_prefetch(found)
         data["messages"] = {
-            str(m.pk): _message_live(_message_row(m, recipients[m.pk])) for m in found
+            str(m.pk): _message_live(message_row(m, recipients[m.pk])) for m in found
         }
     if request.GET.get("history"):
         data["history"] = [
@@ -360,16 +362,16 @@ def live(request: HttpRequest) -> JsonResponse:
 def message_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     message = get_object_or_404(Message.objects.defer("data"), pk=pk)
     fallback = reverse("ui:message", args=[message.pk])
-    spec = _ui_action(request, UI_MESSAGE_ACTIONS, action)
+    spec = ui_action(request, UI_MESSAGE_ACTIONS, action)
     if spec is None:
         return HttpResponseBadRequest("unknown message action")
     try:
-        spec.run(message, request.user, Via.UI, **_action_options(spec, request.POST))
+        spec.run(message, request.user, Via.UI, **action_options(spec, request.POST))
     except ActionConflict as e:
-        _conflict(request, e)
+        report_conflict(request, e)
     else:
         flash.success(request, f"{spec.past} message {message.qid}.")
-    return _back(request, fallback)
+    return redirect_back(request, fallback)
 
 
 @operator_required
@@ -409,28 +411,28 @@ def messages_bulk(request: HttpRequest) -> HttpResponse:
     """An action on the messages ticked in a list."""
     action = request.POST.get("action", "")
     fallback = reverse("ui:messages")
-    spec = _ui_action(request, UI_MESSAGE_ACTIONS, action)
+    spec = ui_action(request, UI_MESSAGE_ACTIONS, action)
     if spec is None and action != EXPORT:
         return HttpResponseBadRequest("unknown message action")
-    ids = _ids(request.POST.getlist("ids"))
+    ids = parse_ids(request.POST.getlist("ids"))
     if not ids:
         flash.warning(request, "Select at least one message first.")
-        return _back(request, fallback)
+        return redirect_back(request, fallback)
     qs = Message.objects.filter(id__in=ids)
     if spec is None:
         response = _zip_response(request, qs, ids=ids)
-        return response or _back(request, fallback)
+        return response or redirect_back(request, fallback)
     if spec.bulk_action == MessageAction.REMOVE and request.POST.get("confirmed") != "1":
         return _confirm_selected(request, spec, qs, ids, fallback)
     try:
         changed = spec.apply(
-            qs, request.user, Via.UI, ids=ids, **_action_options(spec, request.POST, bulk=True)
+            qs, request.user, Via.UI, ids=ids, **action_options(spec, request.POST, bulk=True)
         )
     except ActionConflict as e:
-        _conflict(request, e)
-        return _back(request, fallback)
-    _bulk_result(request, spec.label, changed, len(ids), "messages")
-    return _back(request, fallback)
+        report_conflict(request, e)
+        return redirect_back(request, fallback)
+    bulk_result(request, spec.label, changed, len(ids), "messages")
+    return redirect_back(request, fallback)
 
 
 def _confirm_selected(
@@ -440,14 +442,14 @@ def _confirm_selected(
     try:
         preview = spec.dry_run(qs)
     except ActionConflict as e:
-        _conflict(request, e)
-        return _back(request, fallback)
+        report_conflict(request, e)
+        return redirect_back(request, fallback)
     back = request.POST.get("next") or fallback
     if not url_has_allowed_host_and_scheme(
         back, allowed_hosts={request.get_host()}, require_https=request.is_secure()
     ):
         back = fallback
-    return _page(
+    return render_page(
         request,
         "ui/confirm.html",
         "messages",
@@ -456,7 +458,7 @@ def _confirm_selected(
         action_label=spec.label,
         count=preview.count,
         consequences=preview.lines("messages"),
-        sample=_sample_rows(preview),
+        sample=sample_rows(preview),
         options={},
         option_fields=[],
         params={},
@@ -472,7 +474,7 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
     """An action on every message a filter selects: first how many, then confirm."""
     params = request.POST if request.method == "POST" else request.GET
     action = params.get("action", "")
-    spec = _ui_action(request, UI_MESSAGE_ACTIONS, action)
+    spec = ui_action(request, UI_MESSAGE_ACTIONS, action)
     if spec is None and action != EXPORT:
         return HttpResponseBadRequest("unknown message action")
     try:
@@ -480,7 +482,7 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
     except FilterError as e:
         flash.error(request, str(e))
         return redirect("ui:messages")
-    list_url = reverse("ui:messages") + "?" + _query(f.as_params())
+    list_url = reverse("ui:messages") + "?" + query_string(f.as_params())
     qs = f.queryset()
     if request.method == "POST":
         if spec is None:
@@ -492,12 +494,12 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
                 request.user,
                 Via.UI,
                 filter=f.as_params(),
-                **_action_options(spec, params, True),
+                **action_options(spec, params, True),
             )
         except ActionConflict as e:
-            _conflict(request, e)
+            report_conflict(request, e)
             return HttpResponseRedirect(list_url)
-        _bulk_result(request, spec.label, changed, None, "messages")
+        bulk_result(request, spec.label, changed, None, "messages")
         return HttpResponseRedirect(list_url)
     # the action's own selection: exactly the messages it will change, and what follows
     consequences: list[str] = []
@@ -506,15 +508,15 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
     if spec is None:
         count = qs.count()
     else:
-        options = _action_options(spec, params, bulk=True)
+        options = action_options(spec, params, bulk=True)
         try:
             preview = spec.dry_run(qs, **options)
         except ActionConflict as e:
-            _conflict(request, e)
+            report_conflict(request, e)
             return HttpResponseRedirect(list_url)
         count, consequences = preview.count, preview.lines("messages")
-        sample = _sample_rows(preview)
-    return _page(
+        sample = sample_rows(preview)
+    return render_page(
         request,
         "ui/confirm.html",
         "messages",
@@ -525,7 +527,7 @@ def messages_confirm(request: HttpRequest) -> HttpResponse:
         consequences=consequences,
         sample=sample,
         options=options,
-        option_fields=_option_fields(spec, options),
+        option_fields=spec_option_fields(spec, options),
         params=f.as_params(),
         cancel=list_url,
         post_url=reverse("ui:messages_confirm"),
