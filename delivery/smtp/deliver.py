@@ -573,19 +573,24 @@ def _record_early(
     and written as the final record writes them."""
     quick: list[RecipientResult] = []
     rest: list[RecipientResult] = []
+    postgresql = connection.vendor == "postgresql"
     for res in results:
         rcpt, message = index[res.recipient_id]
         plain = res.outcome == AttemptOutcome.DELIVERED and (
             res.peer_dsn or not dsn_rule.wants(dsn_rule.SUCCESS, rcpt.notify, message.mail_from)
         )
-        (quick if plain and connection.vendor == "postgresql" else rest).append(res)
-    for part, record in ((quick, _record_quickly), (rest, _record_decided)):
-        if not part:
-            continue
-        try:
-            record(link, part, owner, claim, carried, index)
-        except Exception:  # noqa: BLE001 - the final record writes them
-            log.exception("recording finished messages of link %s early failed", link.pk)
+        (quick if plain and postgresql else rest).append(res)
+    if quick:
+        _not_fatal(link, lambda: _record_quickly(link, quick, owner, claim, carried, index))
+    if rest:
+        _not_fatal(link, lambda: _record_decided(link, rest, owner, claim, carried))
+
+
+def _not_fatal(link: Link, record: Callable[[], None]) -> None:
+    try:
+        record()
+    except Exception:  # noqa: BLE001 - the final record writes them
+        log.exception("recording finished messages of link %s early failed", link.pk)
 
 
 def _record_quickly(
@@ -605,16 +610,11 @@ def _record_quickly(
         if not is_outage(exc):
             raise
         log.warning("recording deliveries of link %s: the database went away; again", link.pk)
-        _record_decided(link, results, owner, claim, carried, index)
+        _record_decided(link, results, owner, claim, carried)
 
 
 def _record_decided(
-    link: Link,
-    results: list[RecipientResult],
-    owner: str,
-    claim: Claim,
-    carried: Carried,
-    index: Index,
+    link: Link, results: list[RecipientResult], owner: str, claim: Claim, carried: Carried
 ) -> None:
     batch = BatchResult(results, connected=True)
     while_connected(claim, lambda: _record(link, batch, owner, final=False, carried=carried))
@@ -650,7 +650,7 @@ def _record_delivered(
             own_savepoint=False,  # a failed tracking write: the final record writes all
         )
         counters.record_delivery(results)
-    senders = {m.id: m.mail_from for _, m in (index[res.recipient_id] for res in results)}
+    senders = {mid: fact[1] for mid, fact in facts.items()}
     carried.keep_delivered(written(), results, senders)  # after the commit
 
 
