@@ -8,6 +8,9 @@ logs in the run's temporary directory):
 - ``python manage.py runsmtp`` with MAILRELAY_SMTP_LISTEN=127.0.0.1:<port>;
 - ``celery -A mailrelay worker --concurrency N`` (and ``celery beat`` only
   with ``--beat``),
+- with ``--compose`` (``web``), every process docker-compose.yml runs: also
+  the web app (``gunicorn mailrelay.wsgi --workers 3``, as docker-compose.yml,
+  on a loopback port) and ``celery beat``,
 
 all with MAILRELAY_SMART_HOST=[127.0.0.1]:<sink port>,
 MAILRELAY_HOSTNAME=bench.local, DATABASE_URL and CELERY_BROKER_URL.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -37,9 +41,10 @@ from typing import Any
 import psutil
 import psycopg
 import redis
+import yaml
 
 from .procmon import postgres_labels, process_group_labels
-from .util import Procs, wait_port
+from .util import Procs, free_port, wait_port
 
 # Two benches side by side (e.g. two people tuning) need their own database and
 # Redis database: MAILRELAY_BENCH_DB_NAME, MAILRELAY_BENCH_REDIS_DB.
@@ -94,6 +99,16 @@ class DbCheck:
         )
 
 
+def compose_web_command(repo: Path, bindir: Path, port: int) -> list[str]:
+    """docker-compose.yml's ``web`` command as it is written there (gunicorn,
+    its workers), run from this virtualenv and bound to a loopback ``port``."""
+    services = yaml.safe_load((repo / "docker-compose.yml").read_text())["services"]
+    cmd = list(services["web"]["command"])
+    cmd[0] = str(bindir / cmd[0])
+    cmd[cmd.index("--bind") + 1] = f"127.0.0.1:{port}"
+    return cmd
+
+
 class Mailrelay:
     def __init__(
         self,
@@ -105,6 +120,7 @@ class Mailrelay:
         worker_concurrency: int,
         beat: bool,
         workers: str = "make-run",
+        web: bool = False,
     ) -> None:
         self.repo = repo
         self.procs = procs
@@ -120,6 +136,9 @@ class Mailrelay:
         self.workers_mode = workers
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.beat_proc: subprocess.Popen[bytes] | None = None
+        self.web = web
+        self.web_port = free_port() if web else 0
+        self.web_proc: subprocess.Popen[bytes] | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self.python = Path(sys.executable)
         self.bindir = self.python.parent
@@ -134,6 +153,8 @@ class Mailrelay:
             "DJANGO_SETTINGS_MODULE": "mailrelay.settings",
             "PYTHONUNBUFFERED": "1",
         }
+        if web:  # docker-compose's .env gives every process the web app's key
+            self.env.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
 
     # -- set-up -----------------------------------------------------------------------
     def use_dkim(self, algorithm: str, domain: str) -> Path | None:
@@ -233,6 +254,17 @@ class Mailrelay:
                 stdout=logs / "beat.log",
                 stderr=subprocess.STDOUT,
             )
+        if self.web:
+            self.web_proc = self.procs.spawn(
+                "gunicorn",
+                compose_web_command(self.repo, self.bindir, self.web_port),
+                cwd=self.repo,
+                env=self.env,
+                grace=10,
+                stdout=logs / "web.log",
+                stderr=subprocess.STDOUT,
+            )
+            wait_port(self.web_port, 60, self.web_proc)
         wait_port(self.port, 60, self.smtp)
         deadline = time.monotonic() + 60
         while worker_log.read_bytes().count(b" ready.") < len(self.workers):
@@ -257,13 +289,17 @@ class Mailrelay:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        for proc in (self.beat_proc, *self.workers.values(), self.smtp):
+        for proc in (self.web_proc, self.beat_proc, *self.workers.values(), self.smtp):
             if proc is not None:
                 self.procs.stop(proc)
 
     def alive(self) -> list[str]:
         dead = []
         named = [("runsmtp", self.smtp), *((f"celery {n}", p) for n, p in self.workers.items())]
+        if self.web:
+            named.append(("web (gunicorn)", self.web_proc))
+        if self.beat:
+            named.append(("celery beat", self.beat_proc))
         for name, proc in named:
             if proc is None or proc.poll() is not None:
                 dead.append(name)
@@ -372,6 +408,11 @@ class Mailrelay:
         out.update(
             process_group_labels(
                 self.beat_proc.pid if self.beat_proc else None, "mailrelay:celery beat"
+            )
+        )
+        out.update(
+            process_group_labels(
+                self.web_proc.pid if self.web_proc else None, "mailrelay:web (gunicorn)"
             )
         )
         out.update(postgres_labels(postmaster, DB_NAME, "mailrelay"))
