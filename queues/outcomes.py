@@ -71,3 +71,6 @@ class Delivered:
     queue_id: int | None
     address: str
     state: str = "delivered"
+    # Whether the record finished its message (False: another recipient of it
+    # was not final in the record's snapshot).
+    message_done: bool = True

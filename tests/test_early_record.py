@@ -8,6 +8,7 @@ Real PostgreSQL, real sinks on loopback, the loopback DNS server.
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -220,3 +221,67 @@ def test_an_early_record_whose_commit_answer_is_lost_is_not_written_twice(
     assert Recipient.objects.filter(attempt_count=1).count() == 3
     delivered = TrackingEvent.objects.filter(event="delivered", message_pk__in=ids)
     assert delivered.count() == 3
+
+
+def _record_in_thread(rcpt: Recipient, owner: str, statement_done, go) -> threading.Thread:
+    """A link's early record of ``rcpt`` in a thread of its own (its own
+    connection): the statement, then ``statement_done``; COMMIT once ``go``."""
+    from django.db import connection, transaction
+
+    from delivery.smtp.outcome import attempt_values
+
+    def run() -> None:
+        try:
+            now = clock.now()
+            res = RecipientResult(
+                rcpt.id,
+                rcpt.message_id,
+                AttemptOutcome.DELIVERED,
+                AttemptPhase.DATA,
+                250,
+                "2.0.0",
+                "ok",
+            )
+            with transaction.atomic():
+                written = Recipient.objects.record_delivered(
+                    [attempt_values(res, now) | {"last_host": "mx"}], owner, now
+                )
+                statement_done.set()
+                assert go.wait(10)
+            written()  # after the commit, as deliver._record_delivered reads it
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_links_recording_a_messages_last_recipients_at_once_finish_it():
+    """Two rounds (two links) record the last two recipients of one message at
+    the same moment: each statement sees the other's recipient still in flight
+    (its transaction has not committed), so neither finishes the message in
+    its own statement; the check after each commit does, and the message is
+    done, not left "queued" until it expires."""
+    message = accept(IncomingRecipient("a@example.net"), IncomingRecipient("b@example.com"))
+    first, second = Recipient.objects.filter(message=message).order_by("id")
+    until = clock.now() + timedelta(minutes=1)
+    for rcpt, owner in ((first, "link-a/1"), (second, "link-b/1")):
+        Recipient.objects.filter(pk=rcpt.pk).update(
+            state=RecipientState.ACTIVE, lease_owner=owner, lease_until=until
+        )
+    a_ran, b_ran, a_go, b_go = (threading.Event() for _ in range(4))
+    a = _record_in_thread(first, "link-a/1", a_ran, a_go)
+    assert a_ran.wait(10)  # a's statement ran; a has not committed
+    b = _record_in_thread(second, "link-b/1", b_ran, b_go)
+    assert b_ran.wait(10)  # b's statement saw a's recipient still active
+    b_go.set()
+    b.join(10)
+    assert Message.objects.get(pk=message.pk).state != MessageState.DONE  # a is not in yet
+    a_go.set()
+    a.join(10)
+    assert set(Recipient.objects.filter(message=message).values_list("state", flat=True)) == {
+        RecipientState.DELIVERED
+    }
+    assert Message.objects.get(pk=message.pk).state == MessageState.DONE

@@ -1,4 +1,4 @@
-"""The store owns every state word: outside ``queues/transitions.py`` no code
+"""The store owns every state word: outside ``queues/transitions/`` no code
 writes the state of a Message, Recipient, Link or Queue (DESIGN.md principle 9).
 
 The scan reads the source (``ast``) of every module of the project outside
@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("queues", "delivery", "tracking", "insight", "mailrelay")
-OWNER = Path("queues/transitions.py")
+OWNER = Path("queues/transitions")  # the package: flow.py, operator.py
 
 STATE_WORDS = frozenset(
     {
@@ -71,7 +71,7 @@ def _modules() -> list[Path]:
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT)
-            if "migrations" in rel.parts or rel == OWNER:
+            if "migrations" in rel.parts or OWNER in rel.parents:
                 continue
             paths.append(path)
     return paths
@@ -181,7 +181,7 @@ def _writes(path: Path) -> list[str]:
 
 def test_only_the_transitions_module_writes_a_state_word():
     found = [w for path in _modules() for w in _writes(path)]
-    assert not found, "state written outside queues/transitions.py:\n" + "\n".join(found)
+    assert not found, "state written outside queues/transitions/:\n" + "\n".join(found)
 
 
 def test_the_scan_sees_each_kind_of_write(tmp_path):

@@ -1,27 +1,11 @@
-"""Every state transition of the queue store, written once.
-
-The store owns every state word: a Message's state, suspension, problem and
-poison counters and lease; a Recipient's state and lease; a Link's state and
-lease; a Queue's suspension and re-route. Nothing outside this module writes
-them (tests/test_state_writes.py scans the source). The categorizer,
-delivery, the sweep and the operator actions (UI, API, CLI alike) change them
-only through these QuerySet methods (``Message.objects``,
-``Recipient.objects``, ``Link.objects``, ``Queue.objects``): one transition
-each for back to Submission (``resubmit``), suspend and resume, revive,
-poison, re-route. The engine hands over pure outcomes (``queues.outcomes``:
-a round's ``record_round``), never a state word. The models are looked up
-by name (``_model``): they import this module for their managers.
-
-The rules of ownership (a claim has an owner and a lease; an owner that
-lost its claim writes nothing; a crash counts only against the message
-being worked on) are written here; README "Ownership and crash recovery".
-
-Every method here is one set-based statement (or a few, in the caller's
-transaction); none loads message bodies.
-"""
+"""The transitions of a message's way through the relay (``queues.transitions``):
+the categorizer's claim and placement, a delivery round's claim, record and
+release, a link's lease and verdict, and finishing a message; the operator's
+and the sweep's extend these QuerySets (``queues.transitions.operator``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -40,14 +24,15 @@ from queues.outcomes import Delivered, LinkOutcome, RecipientOutcome, Verdict
 from queues.states import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
-    DeliveryType,
     LinkState,
     MessageState,
     RecipientState,
 )
 
+log = logging.getLogger(__name__)
 
-def _model(name: str) -> type[models.Model]:
+
+def model_named(name: str) -> type[models.Model]:
     """A model of the store by name: the models import this module for their
     managers, so this module never imports them (no cycle)."""
     return apps.get_model("queues", name)
@@ -92,10 +77,21 @@ RETURNING m.id, m.crash_count
 """
 
 
-class MessageQuerySet(models.QuerySet):
+# Finish the messages of ids whose every recipient is final; (id, finished) of
+# each one not done yet (MessageQuerySet.finish_ids).
+_FINISH_SQL = """WITH live AS (SELECT id FROM queues_message
+  WHERE id = ANY(%(ids)s::bigint[]) AND state <> %(done)s),
+f AS (UPDATE queues_message AS m SET state = %(done)s, completed_at = %(now)s,
+  lease_owner = '', lease_until = NULL WHERE m.id IN (SELECT id FROM live) AND NOT EXISTS (
+  SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id
+  AND r.state <> ALL(%(final)s::varchar[])) RETURNING m.id)
+SELECT live.id, f.id IS NOT NULL FROM live LEFT JOIN f ON f.id = live.id"""
+
+
+class MessageFlow(models.QuerySet):
     # --- the categorizer's claim ---------------------------------------------------
 
-    def due_for_categorizer(self, now: datetime) -> MessageQuerySet:
+    def due_for_categorizer(self, now: datetime) -> MessageFlow:
         return self.filter(state=MessageState.SUBMISSION, next_attempt_at__lte=now, suspended=False)
 
     def claim_for_categorizer(
@@ -142,7 +138,7 @@ class MessageQuerySet(models.QuerySet):
             counts = dict(self.filter(id__in=ids).values_list("id", "crash_count"))
         return [(mid, counts[mid]) for mid in ids]
 
-    def owned_by(self, owner: str) -> MessageQuerySet:
+    def owned_by(self, owner: str) -> MessageFlow:
         """Messages a categorizer still holds (its claim not taken back meanwhile)."""
         return self.filter(state=MessageState.CATEGORIZING, lease_owner=owner)
 
@@ -169,35 +165,6 @@ class MessageQuerySet(models.QuerySet):
         self.model.objects.filter(id__in=mine).categorized()
         return mine
 
-    def categorized(self) -> int:
-        """The categorizer placed every recipient: queued, the claim and crash count cleared."""
-        return self.filter(state=MessageState.CATEGORIZING).update(
-            state=MessageState.QUEUED,
-            lease_owner="",
-            lease_until=None,
-            crash_count=0,
-            isolate=False,
-        )
-
-    def crashed(self, retry_at: datetime, *, count: bool) -> int:
-        """Messages whose categorization raised go back to Submission, to be tried
-        alone; ``count`` adds the crash to their count (False when their claim,
-        a claim of one, counted the try already)."""
-        return self.filter(state=MessageState.CATEGORIZING).update(
-            state=MessageState.SUBMISSION,
-            lease_owner="",
-            lease_until=None,
-            next_attempt_at=retry_at,
-            crash_count=F("crash_count") + 1 if count else F("crash_count"),
-            isolate=True,
-        )
-
-    def back_to_submission(self, now: datetime) -> int:
-        """Queued messages with recipients sent back to the categorizer."""
-        return self.filter(state=MessageState.QUEUED).update(
-            state=MessageState.SUBMISSION, next_attempt_at=now
-        )
-
     def resubmit_if_recipients_submitted(self, ids: Sequence[int], now: datetime) -> int:
         """``with_submitted_recipients().back_to_submission(now)`` of the queued
         messages among ``ids`` (one hand-written statement on PostgreSQL)."""
@@ -218,100 +185,41 @@ class MessageQuerySet(models.QuerySet):
             )
             return cur.rowcount
 
-    def with_submitted_recipients(self) -> MessageQuerySet:
-        Recipient = _model("Recipient")
-        return self.filter(
-            Exists(Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.SUBMITTED))
-        )
-
-    def finish(self, now: datetime) -> int:
-        """Mark done the messages whose every recipient reached a final state."""
-        Recipient = _model("Recipient")
-        pending = Recipient.objects.filter(message=OuterRef("pk")).exclude(
-            state__in=FINAL_RECIPIENT_STATES
-        )
-        return (
-            self.exclude(state=MessageState.DONE)
-            .exclude(Exists(pending))
-            .update(state=MessageState.DONE, completed_at=now, lease_owner="", lease_until=None)
-        )
-
-    def finish_ids(self, ids: Iterable[int], now: datetime) -> int:
-        """``filter(id__in=ids).finish(now)``: one hand-written statement on PostgreSQL."""
-        ids = list(ids)
-        if not ids:
+    def finish_ids(self, ids: Iterable[int], now: datetime, *, again: bool = True) -> int:
+        """``filter(id__in=ids).finish(now)``: one hand-written statement on
+        PostgreSQL; ``again``: ``finish_after_commit`` those it could not finish."""
+        if not (ids := list(ids)):
             return 0
         if not postgresql():
             return self.filter(id__in=ids).finish(now)
         with connection.cursor() as cur:
-            cur.execute(
-                "UPDATE queues_message AS m SET state = %s, completed_at = %s, "
-                "lease_owner = '', lease_until = NULL "
-                "WHERE m.id = ANY(%s::bigint[]) AND m.state <> %s AND NOT EXISTS ("
-                "SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id "
-                "AND r.state <> ALL(%s::varchar[]))",
-                [
-                    MessageState.DONE,
-                    now,
-                    ids,
-                    MessageState.DONE,
-                    [str(state) for state in FINAL_RECIPIENT_STATES],
-                ],
-            )
-            return cur.rowcount
+            final = [str(state) for state in FINAL_RECIPIENT_STATES]
+            done = MessageState.DONE
+            cur.execute(_FINISH_SQL, {"ids": ids, "done": done, "now": now, "final": final})
+            rows = cur.fetchall()
+        if again:
+            self.finish_after_commit([mid for mid, finished in rows if not finished], now)
+        return sum(finished for _, finished in rows)
 
-    def park_in_poison(self, poison_queue_id: int) -> int:
-        """Messages that crashed their workers too often: suspended, their
-        unfinished recipients parked in the Poison queue (an operator releases
-        them with resume or resubmit)."""
-        Recipient = _model("Recipient")
-        ids = list(self.values_list("id", flat=True))
-        Recipient.objects.filter(message_id__in=ids).exclude(
-            state__in=FINAL_RECIPIENT_STATES
-        ).update(
-            queue_id=poison_queue_id,
-            state=RecipientState.DEFERRED,
-            lease_owner="",
-            lease_until=None,
-        )
-        return self.model.objects.filter(id__in=ids).update(
-            state=MessageState.QUEUED, suspended=True, lease_owner="", lease_until=None
-        )
+    def finish_after_commit(self, ids: Iterable[int], now: datetime) -> None:
+        """Check ``ids`` again once this transaction commits (now, outside one).
+        Two transactions finalizing the last recipients of one message at once
+        (two links' rounds; a round and an expiry or a removal) each see the
+        other's recipient as it was, and neither finishes the message; of the
+        checks after their commits, the later sees both. PostgreSQL only (SQLite
+        has one writer at a time); a failed check is logged, not raised."""
+        if not (ids := sorted(set(ids))) or not postgresql():
+            return
+
+        def check() -> None:
+            try:
+                self.model.objects.finish_ids(ids, now, again=False)
+            except Exception:  # noqa: BLE001 - the commit it follows stands
+                log.warning("checking %d messages for completion failed", len(ids), exc_info=True)
+
+        transaction.on_commit(check) if connection.in_atomic_block else check()
 
     # --- the operator's transitions (queues.services) and the poison guard ----------
-
-    def suspend(self, until: datetime | None, by: str) -> int:
-        """Hold messages (not finished ones, not held already): nothing of theirs
-        is categorized or delivered until resumed (by hand, or at ``until``)."""
-        return (
-            self.filter(suspended=False)
-            .exclude(state=MessageState.DONE)
-            .update(suspended=True, suspended_until=until, suspended_by=by[:150])
-        )
-
-    def resume(self) -> int:
-        """Release held messages (a timed suspension's end runs this too)."""
-        return (
-            self.filter(suspended=True)
-            .exclude(state=MessageState.DONE)
-            .update(suspended=False, suspended_until=None, suspended_by="")
-        )
-
-    def unpoison(self) -> int:
-        """An operator tries again: the poison suspension and crash count cleared."""
-        return self.update(suspended=False, crash_count=0, isolate=False)
-
-    def count_crash(self) -> list[int]:
-        """A crash while these messages were worked on (a delivery round whose
-        recording raised): counted; returns the ids now poisoned (``poisoned``)."""
-        self.update(crash_count=F("crash_count") + 1)
-        return [
-            mid
-            for mid, crashes in self.model.objects.filter(pk__in=self.values("pk")).values_list(
-                "id", "crash_count"
-            )
-            if poisoned(crashes)
-        ]
 
     def count_message_failures(self, ids: Iterable[int]) -> None:
         """A message-level 4xx (the peer refused the message, not a recipient):
@@ -324,37 +232,51 @@ class MessageQuerySet(models.QuerySet):
         self.filter(id__in=ids).update(per_message_failures=F("per_message_failures") + 1)
         self.filter(id__in=ids, per_message_failures__gte=threshold).update(problem=True)
 
-    def revive(self, now: datetime, expires_at: datetime) -> int:
-        """Finished messages whose dead letters were revived: to Submission, with
-        a fresh expiry and their problem counters cleared (MSMQ)."""
-        return self.update(
-            state=MessageState.SUBMISSION,
-            next_attempt_at=now,
-            completed_at=None,
-            expires_at=expires_at,
-            per_message_failures=0,
-            problem=False,
+    def categorized(self) -> int:
+        """The categorizer placed every recipient: queued, the claim and crash count cleared."""
+        return self.filter(state=MessageState.CATEGORIZING).update(
+            state=MessageState.QUEUED,
+            lease_owner="",
+            lease_until=None,
+            crash_count=0,
+            isolate=False,
         )
 
-    def reclaim_expired(self, now: datetime) -> int:
-        """Categorizer claims whose owner stopped renewing: back to Submission, due
-        now, each message tried alone next (its batch may have crashed on any one)."""
-        expired = self.filter(state=MessageState.CATEGORIZING, lease_until__lt=now)
-        with transaction.atomic():  # FOR UPDATE needs one, even in a subquery
-            return _not_locked(expired).update(
-                state=MessageState.SUBMISSION,
-                lease_owner="",
-                lease_until=None,
-                next_attempt_at=now,
-                isolate=True,
+    def back_to_submission(self, now: datetime) -> int:
+        """Queued messages with recipients sent back to the categorizer."""
+        return self.filter(state=MessageState.QUEUED).update(
+            state=MessageState.SUBMISSION, next_attempt_at=now
+        )
+
+    def with_submitted_recipients(self) -> MessageFlow:
+        Recipient = model_named("Recipient")
+        return self.filter(
+            Exists(Recipient.objects.filter(message=OuterRef("pk"), state=RecipientState.SUBMITTED))
+        )
+
+    def finish(self, now: datetime) -> int:
+        """Mark done the messages whose every recipient reached a final state
+        (on PostgreSQL with the check after commit: ``finish_after_commit``)."""
+        if postgresql():
+            return self.finish_ids(
+                self.exclude(state=MessageState.DONE).values_list("id", flat=True), now
             )
+        Recipient = model_named("Recipient")
+        pending = Recipient.objects.filter(message=OuterRef("pk")).exclude(
+            state__in=FINAL_RECIPIENT_STATES
+        )
+        return (
+            self.exclude(state=MessageState.DONE)
+            .exclude(Exists(pending))
+            .update(state=MessageState.DONE, completed_at=now, lease_owner="", lease_until=None)
+        )
 
 
-class RecipientQuerySet(models.QuerySet):
-    def waiting(self) -> RecipientQuerySet:
+class RecipientFlow(models.QuerySet):
+    def waiting(self) -> RecipientFlow:
         return self.filter(state__in=WAITING_RECIPIENT_STATES)
 
-    def due_on_link(self, link_id: int, now: datetime) -> RecipientQuerySet:
+    def due_on_link(self, link_id: int, now: datetime) -> RecipientFlow:
         return self.waiting().filter(
             queue__link_id=link_id,
             queue__suspended=False,
@@ -403,13 +325,6 @@ class RecipientQuerySet(models.QuerySet):
 
     # --- the categorizer's placements ----------------------------------------------
 
-    def place(self, queue_id: int, now: datetime) -> int:
-        """Submitted recipients routed: waiting in their delivery queue, due now
-        (rows an expiry or an operator finished meanwhile are left alone)."""
-        return self.filter(state=RecipientState.SUBMITTED).update(
-            queue_id=queue_id, state=RecipientState.QUEUED, next_attempt_at=now
-        )
-
     def place_many(self, placements: Sequence[tuple[int, int]], now: datetime) -> int:
         """``place`` for (recipient id, queue id) pairs of several queues: one
         statement on PostgreSQL."""
@@ -436,62 +351,9 @@ class RecipientQuerySet(models.QuerySet):
             by_queue.setdefault(qid, []).append(rid)
         return sum(self.filter(id__in=rids).place(qid, now) for qid, rids in by_queue.items())
 
-    def park_unreachable(
-        self, queue_id: int, now: datetime, retry_at: datetime, *, enhanced: str, text: str
-    ) -> int:
-        """Submitted recipients with no route for now: in Unreachable until ``retry_at``."""
-        return self.filter(state=RecipientState.SUBMITTED).update(
-            queue_id=queue_id,
-            state=RecipientState.DEFERRED,
-            next_attempt_at=retry_at,
-            first_failure_at=now,
-            last_attempt_at=now,
-            last_enhanced=enhanced,
-            last_text=text,
-            attempt_count=F("attempt_count") + 1,
-        )
-
-    def fail(
-        self,
-        now: datetime,
-        *,
-        enhanced: str,
-        text: str,
-        queue_id: int | None = None,
-        attempted: bool = False,
-    ) -> int:
-        """Recipients failed for good (a permanent routing failure, an operator's
-        removal): final, moved to ``queue_id`` (the Dead-letter queue) when given;
-        ``attempted`` counts it as an attempt."""
-        changes: dict = {
-            "state": RecipientState.FAILED,
-            "final_at": now,
-            "lease_owner": "",
-            "lease_until": None,
-            "last_code": None,
-            "last_enhanced": enhanced,
-            "last_text": text,
-        }
-        if queue_id is not None:
-            changes["queue_id"] = queue_id
-        if attempted:
-            changes["last_attempt_at"] = now
-            changes["attempt_count"] = F("attempt_count") + 1
-        return self.update(**changes)
-
-    def expire(self, rows: list, now: datetime, queue_id: int, reason: str) -> None:
-        """Recipients past their message's expiry: EXPIRED in the Dead-letter queue,
-        ``reason`` before their last error. ``rows`` are loaded (their NDR quotes
-        them) and updated in place."""
-        for r in rows:
-            r.state, r.final_at, r.queue_id = RecipientState.EXPIRED, now, queue_id
-            r.last_enhanced = "4.4.7"
-            r.last_text = reason + (f"; last error: {r.last_text}" if r.last_text else "")
-        self.bulk_update(rows, ["state", "final_at", "queue_id", "last_enhanced", "last_text"])
-
     # --- delivery -------------------------------------------------------------------
 
-    def owned_by(self, owner: str) -> RecipientQuerySet:
+    def owned_by(self, owner: str) -> RecipientFlow:
         """Recipients a delivery round still holds (its claim not taken back)."""
         return self.filter(state=RecipientState.ACTIVE, lease_owner=owner)
 
@@ -549,12 +411,26 @@ class RecipientQuerySet(models.QuerySet):
         """Deliveries in ONE statement (PostgreSQL; an early record): as ``record_round``
         for rows ``owner`` holds, an Attempt row each (``attempts``: its columns and
         ``last_host``; a lost claim's too), finished messages done (``finish_ids``).
-        Returns how to read the rows written (after the caller's pipeline is sent)."""
+        Returns how to read the rows written, once the caller's transaction
+        committed; reading them checks again the messages it could not finish
+        (``MessageQuerySet.finish_after_commit``)."""
         ids, final = [a["recipient_id"] for a in attempts], list(FINAL_RECIPIENT_STATES)
         params = {"rows": jsonb_payload(attempts), "ids": ids, "owner": owner, "now": now}
         cur = connection.cursor()
         cur.execute(_record_delivered_sql(), params | {"final": final})
-        return lambda: [Delivered(*row) for row in cur.fetchall()]
+
+        def written() -> list[Delivered]:
+            rows = [
+                Delivered(rid, mid, qid, address, message_done=done)
+                for rid, mid, qid, address, done in cur.fetchall()
+            ]
+            # A message with another recipient in flight elsewhere: checked again.
+            model_named("Message").objects.finish_after_commit(
+                {d.message_id for d in rows if not d.message_done}, now
+            )
+            return rows
+
+        return written
 
     def release(self, now: datetime) -> int:
         """Claimed rows a round never tried (it stopped early): waiting again, due now."""
@@ -562,73 +438,12 @@ class RecipientQuerySet(models.QuerySet):
             state=RecipientState.QUEUED, lease_owner="", lease_until=None, next_attempt_at=now
         )
 
-    def release_after_crash(self, owner: str, retry_at: datetime, text: str) -> int:
-        """A round whose recording raised: its rows wait again, for a while."""
-        return self.owned_by(owner).update(
-            state=RecipientState.DEFERRED,
-            lease_owner="",
-            lease_until=None,
-            next_attempt_at=retry_at,
-            last_text=text,
+    def place(self, queue_id: int, now: datetime) -> int:
+        """Submitted recipients routed: waiting in their delivery queue, due now
+        (rows an expiry or an operator finished meanwhile are left alone)."""
+        return self.filter(state=RecipientState.SUBMITTED).update(
+            queue_id=queue_id, state=RecipientState.QUEUED, next_attempt_at=now
         )
-
-    def back_to_submission(self, now: datetime) -> int:
-        """Waiting recipients go back to the categorizer (resubmit, Unreachable retry)."""
-        return self.waiting().update(
-            queue=None,
-            state=RecipientState.SUBMITTED,
-            next_attempt_at=now,
-            lease_owner="",
-            lease_until=None,
-        )
-
-    def resubmit(self, now: datetime) -> int:
-        """ "Back to Submission", the one transition: these recipients, those waiting
-        (not of a message the categorizer holds), go back to the categorizer,
-        and their messages to Submission. Recipients parked in Poison come back
-        too: their message loses its poison suspension and crash count (someone
-        decided to try again). Returns how many recipients moved. Used by the
-        operator's resubmit, resume and retry, the end of a re-route, the sweep
-        (Unreachable due again, a link idle too long)."""
-        Message = _model("Message")
-        waiting = self.filter(state__in=WAITING_RECIPIENT_STATES).exclude(
-            message__state=MessageState.CATEGORIZING
-        )
-        parked = waiting.filter(queue__delivery_type=DeliveryType.POISON).values("message_id")
-        Message.objects.filter(id__in=parked).unpoison()
-        Message.objects.filter(id__in=waiting.values("message_id")).back_to_submission(now)
-        return waiting.back_to_submission(now)
-
-    def revive(self, now: datetime) -> set[int]:
-        """Dead letters (failed or expired recipients of finished messages) get a
-        new life: back to the categorizer, their tries forgotten, their messages
-        with a fresh expiry (MSMQ). Returns the revived messages' ids."""
-        Message = _model("Message")
-        revived = set(self.values_list("message_id", flat=True))
-        if not revived:
-            return revived
-        self.update(
-            queue=None,
-            state=RecipientState.SUBMITTED,
-            next_attempt_at=now,
-            final_at=None,
-            attempt_count=0,
-            first_failure_at=None,
-            delay_dsn_sent=False,
-            lease_until=None,
-        )
-        expires_at = now + settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT
-        Message.objects.filter(id__in=revived).revive(now, expires_at)
-        return revived
-
-    def reclaim_expired(self, now: datetime) -> int:
-        """Rounds whose owner stopped renewing (killed, cut off from the database):
-        their recipients wait again, due now."""
-        expired = self.filter(state=RecipientState.ACTIVE, lease_until__lt=now)
-        with transaction.atomic():  # FOR UPDATE needs one, even in a subquery
-            return _not_locked(expired).update(
-                state=RecipientState.QUEUED, lease_owner="", lease_until=None, next_attempt_at=now
-            )
 
 
 # What a round writes of each recipient (record_round).
@@ -675,7 +490,7 @@ def _apply(
 @cache
 def _record_delivered_sql() -> str:
     """``record_delivered``'s statement (the Attempt columns but its queue)."""
-    attempt = _model("Attempt")
+    attempt = model_named("Attempt")
     fields = attempt._meta.concrete_fields
     names = [f.attname for f in fields if f.attname not in ("id", "queue_id")]
     columns = field_columns(attempt, names)
@@ -695,11 +510,12 @@ m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at
   lease_owner = '', lease_until = NULL
   WHERE m.id IN (SELECT message_id FROM r) AND m.state <> '{MessageState.DONE}' AND NOT EXISTS (
   SELECT 1 FROM queues_recipient AS x WHERE x.message_id = m.id
-  AND x.state <> ALL(%(final)s::varchar[]) AND x.id NOT IN (SELECT id FROM r)))
-SELECT id, message_id, queue_id, address FROM r"""
+  AND x.state <> ALL(%(final)s::varchar[]) AND x.id NOT IN (SELECT id FROM r))
+  RETURNING m.id)
+SELECT id, message_id, queue_id, address, message_id IN (SELECT id FROM m) FROM r"""
 
 
-def _not_locked(expired: models.QuerySet) -> models.QuerySet:
+def not_locked(expired: models.QuerySet) -> models.QuerySet:
     """The expired claims whose rows no transaction holds (FOR UPDATE SKIP LOCKED):
     a cut-off owner's session may still hold its rows, idle in a transaction,
     until PostgreSQL ends it (MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT); the
@@ -729,7 +545,7 @@ class LinkQuerySet(models.QuerySet):
     def reclaim_expired(self, now: datetime) -> int:
         expired = self.filter(lease_until__lt=now)
         with transaction.atomic():  # FOR UPDATE needs one, even in a subquery
-            return _not_locked(expired).update(lease_owner="", lease_until=None)
+            return not_locked(expired).update(lease_owner="", lease_until=None)
 
     def unowned(self, now: datetime) -> LinkQuerySet:
         return self.filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
@@ -738,7 +554,7 @@ class LinkQuerySet(models.QuerySet):
         """A round's verdict on its link: READY, or RETRY when every host failed
         (with the retry clock the rule gave); the queues that delivered, and the
         last error of those that deferred, noted. ``link`` is updated in place."""
-        Queue = _model("Queue")
+        Queue = model_named("Queue")
         link.failure_count = outcome.failure_count
         link.first_failure_at = outcome.first_failure_at
         link.next_retry_at = outcome.next_retry_at
@@ -767,33 +583,3 @@ _LINK_RECORDED = [
     "last_success_at",
     "last_tls",
 ]
-
-
-class QueueQuerySet(models.QuerySet):
-    """A queue's suspension and re-route (queues.services.actions, .reroute, the
-    categorizer's placement)."""
-
-    def suspend(self, until: datetime | None, by: str) -> int:
-        return self.update(suspended=True, suspended_until=until, suspended_by=by[:150])
-
-    def resume(self) -> int:
-        return self.update(suspended=False, suspended_until=None, suspended_by="")
-
-    def reroute(
-        self, link_id: int, *, to: str, until: datetime | None, by: str, home: int | None
-    ) -> int:
-        """Delivered over ``link_id`` instead, until ``until``; ``home`` is the link
-        to return to at the end."""
-        return self.update(
-            link=link_id, reroute_to=to, reroute_until=until, reroute_by=by[:150], reroute_from=home
-        )
-
-    def unroute(self, link_id: int | None) -> int:
-        """The re-route ended: back on ``link_id`` (the link it came from)."""
-        return self.update(
-            link=link_id, reroute_to="", reroute_until=None, reroute_by="", reroute_from=None
-        )
-
-    def learn_route(self, link_id: int) -> int:
-        """A re-routed queue's route changed meanwhile: it returns there at the end."""
-        return self.update(reroute_from=link_id)
