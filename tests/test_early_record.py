@@ -285,3 +285,47 @@ def test_two_links_recording_a_messages_last_recipients_at_once_finish_it():
         RecipientState.DELIVERED
     }
     assert Message.objects.get(pk=message.pk).state == MessageState.DONE
+
+
+def _finish_in_thread(rcpt: Recipient, statement_done, go) -> threading.Thread:
+    """A transaction that finalizes ``rcpt`` and finishes its message as the
+    round's final record, an expiry or an operator's removal do
+    (``finish_ids`` inside the transaction); COMMIT once ``go``."""
+    from django.db import connection, transaction
+
+    def run() -> None:
+        try:
+            now = clock.now()
+            with transaction.atomic():
+                Recipient.objects.filter(pk=rcpt.pk).update(
+                    state=RecipientState.FAILED, lease_owner="", lease_until=None, final_at=now
+                )
+                Message.objects.finish_ids([rcpt.message_id], now)
+                statement_done.set()
+                assert go.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_transactions_finishing_a_message_at_once_finish_it_after_their_commits():
+    """The same race through ``finish_ids`` inside the writing transaction: the
+    check runs after the commit (``transaction.on_commit``), and the later of
+    the two sees both recipients final."""
+    message = accept(IncomingRecipient("a@example.net"), IncomingRecipient("b@example.com"))
+    first, second = Recipient.objects.filter(message=message).order_by("id")
+    a_ran, b_ran, a_go, b_go = (threading.Event() for _ in range(4))
+    a = _finish_in_thread(first, a_ran, a_go)
+    assert a_ran.wait(10)
+    b = _finish_in_thread(second, b_ran, b_go)
+    assert b_ran.wait(10)
+    b_go.set()
+    b.join(10)
+    assert Message.objects.get(pk=message.pk).state != MessageState.DONE  # a is not in yet
+    a_go.set()
+    a.join(10)
+    assert Message.objects.get(pk=message.pk).state == MessageState.DONE
