@@ -452,6 +452,65 @@ def test_each_outcome_is_committed_before_its_connection_sends_the_next_mail_fro
 
 
 @pytest.mark.django_db(transaction=True)
+def test_with_several_connections_a_record_gathers_their_results_and_each_stays_durable_first(
+    relay, sink_factory, settings, monkeypatch
+):
+    """Several connections: an early record waits RECORD_GATHER for the others'
+    results to join its commit (fewer, larger records), and still every
+    connection's outcome is committed before that connection's next MAIL FROM."""
+    from django.db import connection
+
+    from delivery.smtp import deliver
+
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2", delays={"MAIL": 0.05})
+    for i in range(12):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 3
+    settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION = 4  # three connections of four
+    # Long enough that the three connections' results always meet in one record.
+    monkeypatch.setattr(deliver, "RECORD_GATHER", 0.3)
+    sizes: list[int] = []
+    record_early = deliver._record_early
+
+    def counted(link, results, *args):  # noqa: ANN001, ANN202 - _record_early's own
+        sizes.append(len(results))
+        return record_early(link, results, *args)
+
+    monkeypatch.setattr(deliver, "_record_early", counted)
+    seen: list[tuple[int, int]] = []  # (MAIL commands at the sink, delivered in the database)
+    done = threading.Event()
+
+    def watch() -> None:
+        try:
+            while not done.is_set():
+                mails = sink.verbs().count("MAIL")
+                recorded = Recipient.objects.filter(state=RecipientState.DELIVERED).count()
+                seen.append((mails, recorded))
+                time.sleep(0.01)
+        finally:
+            connection.close()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert deliver_link(link.pk) == 12
+    finally:
+        done.set()
+        watcher.join()
+    assert len(sink.messages) == 12
+    # The three connections' results meet in each record (without the gather:
+    # records of 1, 2 or 3 as they happen to arrive, e.g. [3, 2, 1, 2, 1, 1, 2]).
+    assert sizes == [3, 3, 3, 3], sizes
+    # At most the message in flight on each of the three connections unrecorded.
+    late = [(mails, recorded) for mails, recorded in seen if recorded < mails - 3]
+    assert not late, f"a MAIL FROM went out before the previous outcome was committed: {late}"
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_round_records_finished_messages_while_it_goes_on(relay, sink_factory, settings):
     """Deliveries are recorded while the round still sends (each before its
     connection's next transaction), so a worker killed in the middle of a round

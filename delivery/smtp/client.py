@@ -74,6 +74,13 @@ log = logging.getLogger(__name__)
 # --- helpers --------------------------------------------------------------------
 
 
+def connections_for(count: int, config: ClientConfig) -> int:
+    """How many connections a round of ``count`` messages opens at once: one per
+    group of at most ``max_messages_per_connection``, up to ``max_connections``."""
+    groups = -(-count // max(1, config.max_messages_per_connection))
+    return min(max(1, config.max_connections), groups)
+
+
 def _split_groups(messages: Sequence[OutboundMessage], size: int) -> list[list[OutboundMessage]]:
     """As few groups as ``size`` allows, balanced (45 at 20 → 15+15+15), so
     the connections finish together instead of one carrying a short tail."""
@@ -569,7 +576,7 @@ async def deliver(
         while groups and batch.owner():
             await batch.run_group(groups.popleft())
 
-    workers = min(max(1, config.max_connections), len(groups))
+    workers = connections_for(len(messages), config)
     if workers:
         await asyncio.gather(*(worker() for _ in range(workers)))
     return BatchResult(
