@@ -223,38 +223,43 @@ def test_an_early_record_whose_commit_answer_is_lost_is_not_written_twice(
     assert delivered.count() == 3
 
 
-def _record_in_thread(rcpt: Recipient, owner: str, statement_done, go) -> threading.Thread:
-    """A link's early record of ``rcpt`` in a thread of its own (its own
-    connection): the statement, then ``statement_done``; COMMIT once ``go``."""
+def _in_transaction_thread(write, statement_done, go, after=None) -> threading.Thread:
+    """``write()`` in a transaction of a thread of its own (its own connection),
+    then ``statement_done``; COMMIT once ``go``; then ``after(written)``."""
     from django.db import connection, transaction
-
-    from delivery.smtp.outcome import attempt_values
 
     def run() -> None:
         try:
-            now = clock.now()
-            res = RecipientResult(
-                rcpt.id,
-                rcpt.message_id,
-                AttemptOutcome.DELIVERED,
-                AttemptPhase.DATA,
-                250,
-                "2.0.0",
-                "ok",
-            )
             with transaction.atomic():
-                written = Recipient.objects.record_delivered(
-                    [attempt_values(res, now) | {"last_host": "mx"}], owner, now
-                )
+                written = write()
                 statement_done.set()
                 assert go.wait(10)
-            written()  # after the commit, as deliver._record_delivered reads it
+            if after is not None:
+                after(written)
         finally:
             connection.close()
 
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+def _record_in_thread(rcpt: Recipient, owner: str, statement_done, go) -> threading.Thread:
+    """A link's early record of ``rcpt``: the statement, then ``statement_done``;
+    COMMIT once ``go``; the rows read after it, as deliver._record_delivered does."""
+    from delivery.smtp.outcome import attempt_values
+
+    now = clock.now()
+    res = RecipientResult(
+        rcpt.id, rcpt.message_id, AttemptOutcome.DELIVERED, AttemptPhase.DATA, 250, "2.0.0", "ok"
+    )
+    values = [attempt_values(res, now) | {"last_host": "mx"}]
+    return _in_transaction_thread(
+        lambda: Recipient.objects.record_delivered(values, owner, now),
+        statement_done,
+        go,
+        after=lambda written: written(),
+    )
 
 
 @pytest.mark.django_db(transaction=True)
@@ -291,24 +296,15 @@ def _finish_in_thread(rcpt: Recipient, statement_done, go) -> threading.Thread:
     """A transaction that finalizes ``rcpt`` and finishes its message as the
     round's final record, an expiry or an operator's removal do
     (``finish_ids`` inside the transaction); COMMIT once ``go``."""
-    from django.db import connection, transaction
+    now = clock.now()
 
-    def run() -> None:
-        try:
-            now = clock.now()
-            with transaction.atomic():
-                Recipient.objects.filter(pk=rcpt.pk).update(
-                    state=RecipientState.FAILED, lease_owner="", lease_until=None, final_at=now
-                )
-                Message.objects.finish_ids([rcpt.message_id], now)
-                statement_done.set()
-                assert go.wait(10)
-        finally:
-            connection.close()
+    def write() -> None:
+        Recipient.objects.filter(pk=rcpt.pk).update(
+            state=RecipientState.FAILED, lease_owner="", lease_until=None, final_at=now
+        )
+        Message.objects.finish_ids([rcpt.message_id], now)
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+    return _in_transaction_thread(write, statement_done, go)
 
 
 @pytest.mark.django_db(transaction=True)

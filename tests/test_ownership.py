@@ -407,23 +407,12 @@ def test_a_round_survives_its_database_connection_being_cut(relay, sink_factory)
     assert Attempt.objects.count() == 3
 
 
-@pytest.mark.django_db(transaction=True)
-def test_each_outcome_is_committed_before_its_connection_sends_the_next_mail_from(
-    relay, sink_factory, settings
-):
-    """Durable before the next transaction: whenever the next hop has seen the
-    MAIL FROM of a connection's k+1-th message, the k messages before it are
-    recorded delivered, so a crash can re-send only the one in flight."""
+def deliver_watching(sink, link_id: int) -> tuple[int, list[tuple[int, int]]]:
+    """``deliver_link`` while a thread samples, every 10 ms, (MAIL commands the
+    sink has seen, recipients recorded delivered); returns both."""
     from django.db import connection
 
-    relay.a("example.net", "127.0.0.2")
-    sink = sink_factory("127.0.0.2", delays={"MAIL": 0.1})
-    for i in range(8):
-        accept(f"u{i}@example.net")
-    while categorize_pending():
-        pass
-    link = Link.objects.get()
-    seen: list[tuple[int, int]] = []  # (MAIL commands at the sink, delivered in the database)
+    seen: list[tuple[int, int]] = []
     done = threading.Event()
 
     def watch() -> None:
@@ -437,14 +426,32 @@ def test_each_outcome_is_committed_before_its_connection_sends_the_next_mail_fro
         finally:
             connection.close()
 
-    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1  # one message after the other
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        assert deliver_link(link.pk) == 8
+        return deliver_link(link_id), seen
     finally:
         done.set()
         watcher.join()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_outcome_is_committed_before_its_connection_sends_the_next_mail_from(
+    relay, sink_factory, settings
+):
+    """Durable before the next transaction: whenever the next hop has seen the
+    MAIL FROM of a connection's k+1-th message, the k messages before it are
+    recorded delivered, so a crash can re-send only the one in flight."""
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2", delays={"MAIL": 0.1})
+    for i in range(8):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1  # one message after the other
+    handled, seen = deliver_watching(sink, link.pk)
+    assert handled == 8
     assert len(sink.messages) == 8
     assert any(mails >= 5 for mails, _ in seen), seen  # it watched the round
     late = [(mails, recorded) for mails, recorded in seen if recorded < mails - 1]
@@ -458,7 +465,6 @@ def test_with_several_connections_a_record_gathers_their_results_and_each_stays_
     """Several connections: an early record waits RECORD_GATHER for the others'
     results to join its commit (fewer, larger records), and still every
     connection's outcome is committed before that connection's next MAIL FROM."""
-    from django.db import connection
 
     from delivery.smtp import deliver
 
@@ -481,26 +487,8 @@ def test_with_several_connections_a_record_gathers_their_results_and_each_stays_
         return record_early(link, results, *args)
 
     monkeypatch.setattr(deliver, "_record_early", counted)
-    seen: list[tuple[int, int]] = []  # (MAIL commands at the sink, delivered in the database)
-    done = threading.Event()
-
-    def watch() -> None:
-        try:
-            while not done.is_set():
-                mails = sink.verbs().count("MAIL")
-                recorded = Recipient.objects.filter(state=RecipientState.DELIVERED).count()
-                seen.append((mails, recorded))
-                time.sleep(0.01)
-        finally:
-            connection.close()
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        assert deliver_link(link.pk) == 12
-    finally:
-        done.set()
-        watcher.join()
+    handled, seen = deliver_watching(sink, link.pk)
+    assert handled == 12
     assert len(sink.messages) == 12
     # The three connections' results meet in each record (without the gather:
     # records of 1, 2 or 3 as they happen to arrive, e.g. [3, 2, 1, 2, 1, 1, 2]).
