@@ -96,7 +96,7 @@ class Entry:
     domains: tuple[str, ...] = ()
     mx: tuple[str, ...] = ()
     next_hops: tuple[str, ...] = ()
-    max_connections: int = 10
+    max_connections: int = 20
     max_messages_per_connection: int = 20
     max_message_rate: Rate | None = None
     max_connection_rate: Rate | None = None

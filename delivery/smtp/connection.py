@@ -87,7 +87,7 @@ class ClientConfig:
     # Sending the message body and waiting for the reply to the final dot.
     data_timeout: float = MIN_DATA_TIMEOUT
     max_messages_per_connection: int = 20
-    max_connections: int = 10
+    max_connections: int = 20
     # Per target: the TLS requirement (None: "may" everywhere) and the AUTH
     # credentials (None: no AUTH); see delivery.smtp.tls.RoundTls.
     tls_for: Callable[[Peer], TlsRequirement] | None = None
