@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,19 @@ TRUSTED_SOURCE = "127.0.0.1"
 UNTRUSTED_SOURCE = "127.0.0.5"
 
 Percentile = Callable[[list[float], float], float | None]
+
+
+@dataclass
+class Results:
+    """What one overload run measured."""
+
+    sustainable: float  # msg/s, calibrated end to end
+    offered_rate: float  # msg/s offered to the untrusted senders
+    trusted: dict  # each client's figures (the load client's JSON)
+    untrusted: dict
+    poller: Any  # the submission queue, back-pressure rows and RSS over time
+    mon: Any  # every process's peak memory and CPU
+    events: list[tuple[float, str, str]]  # back-pressure events (s since the start)
 
 
 def pct(values: list[float], p: float, percentile: Percentile = percentile) -> str:
@@ -125,28 +139,18 @@ def report_delivery(trusted: dict, untrusted: dict, dumps: Any) -> bool:
     return ok
 
 
-def report(
-    args: argparse.Namespace,
-    sustainable: float,
-    offered_rate: float,
-    trusted: dict,
-    untrusted: dict,
-    poller: Any,
-    mon: Any,
-    dumps: Any,
-    events: list[tuple[float, str, str]],
-) -> bool:
+def report(args: argparse.Namespace, r: Results, dumps: Any) -> bool:
     """Print every result; True when every 250 was delivered exactly once."""
     print("\n== results ==")
     print(
-        f"sustainable rate (calibrated end to end): {sustainable:.1f} msg/s; "
-        f"offered to untrusted senders: {offered_rate:.1f} msg/s for {args.duration:.0f} s "
+        f"sustainable rate (calibrated end to end): {r.sustainable:.1f} msg/s; "
+        f"offered to untrusted senders: {r.offered_rate:.1f} msg/s for {args.duration:.0f} s "
         f"over {args.sessions} sessions; trusted: {args.trusted_rate:g} msg/s"
     )
-    report_memory(args, poller, mon)
-    report_submission(poller, events)
-    report_clients(args, trusted, untrusted)
-    return report_delivery(trusted, untrusted, dumps)
+    report_memory(args, r.poller, r.mon)
+    report_submission(r.poller, r.events)
+    report_clients(args, r.trusted, r.untrusted)
+    return report_delivery(r.trusted, r.untrusted, dumps)
 
 
 def read_events(db_url: str, t_wall: float) -> list[tuple[float, str, str]]:
@@ -161,29 +165,20 @@ def read_events(db_url: str, t_wall: float) -> list[tuple[float, str, str]]:
     return [(float(t) - t_wall, level, text) for t, level, text in rows]
 
 
-def write_json(
-    path: Path,
-    sustainable: float,
-    offered_rate: float,
-    trusted: dict,
-    untrusted: dict,
-    poller: Any,
-    mon: Any,
-    events: list[tuple[float, str, str]],
-) -> None:
+def write_json(path: Path, r: Results) -> None:
     memory = {
         k: {"peak_rss": v.peak_rss, "peak_single": v.peak_single_rss, "procs": v.max_procs}
         | {"cpu": v.cpu}
-        for k, v in mon.stats.items()
+        for k, v in r.mon.stats.items()
     }
     data = {
-        "sustainable": sustainable,
-        "offered_rate": offered_rate,
-        "trusted": trusted,
-        "untrusted": untrusted,
-        "samples": poller.samples,
-        "rss": poller.rss,
-        "events": events,
+        "sustainable": r.sustainable,
+        "offered_rate": r.offered_rate,
+        "trusted": r.trusted,
+        "untrusted": r.untrusted,
+        "samples": r.poller.samples,
+        "rss": r.poller.rss,
+        "events": r.events,
         "memory": memory,
     }
     path.write_text(json.dumps(data, default=str))
