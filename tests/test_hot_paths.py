@@ -8,6 +8,7 @@ per message (or per recipient) shows as a count that grows with the batch.
 
 from __future__ import annotations
 
+import concurrent.futures
 from datetime import timedelta
 
 import pytest
@@ -15,6 +16,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.ownership import Claim
 from delivery.smtp import deliver
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Link, Message, MessageState, Recipient, RecipientState
@@ -129,3 +131,27 @@ def test_a_finished_message_is_made_durable_in_a_few_statements(relay, monkeypat
     assert len(relay.messages) == 44
     assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
     assert Attempt.objects.count() == 44
+
+
+def test_bodies_asked_for_at_once_are_read_in_one_statement():
+    """Bodies too large to come with the round's envelopes are read when their
+    connections ask (delivery.smtp.deliver._give_bodies): the requests waiting
+    together cost one SELECT; a request whose connection stopped meanwhile is
+    skipped, a message no longer stored fails its own request only."""
+    stored = accept_many(3, "large")
+    gone = stored[2].pk
+    Message.objects.filter(pk=gone).delete()
+    futures = [concurrent.futures.Future() for _ in range(3)]
+    stopped: concurrent.futures.Future = concurrent.futures.Future()
+    stopped.cancel()  # its connection stopped (claim lost) before the read
+    wanted = [(stored[0].pk, futures[0]), (stored[1].pk, stopped), (stored[1].pk, futures[1])]
+    wanted.append((gone, futures[2]))
+    claim = Claim("test", lambda until: True, lease=timedelta(seconds=30))
+    with CaptureQueriesContext(connection) as queries:
+        deliver._give_bodies(claim, wanted)
+    assert len(queries) == 1
+    for message, future in zip(stored[:2], futures, strict=False):
+        assert future.result() == bytes(Message.objects.get(pk=message.pk).data)
+    assert stopped.cancelled()
+    with pytest.raises(LookupError, match=f"message {gone} is no longer stored"):
+        futures[2].result()

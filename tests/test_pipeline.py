@@ -194,6 +194,24 @@ def test_it_opens_more_connections_while_more_are_waiting(relay, sink_factory):
     assert max(sink.per_connection()) <= 20
 
 
+def test_bodies_too_large_to_preload_are_read_when_sent_byte_exact(relay, sink_factory):
+    """Bodies past PRELOAD_MESSAGE_BYTES are read by the owner while the
+    connections go (each next one while the previous record commits)."""
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    bodies = {}
+    for i in range(30):
+        body = BODY + f"message {i}\r\n".encode() * 8000  # ~110 KB each
+        bodies[f"u{i}@example.net"] = body
+        accept(f"u{i}@example.net", body=body)
+    drain()
+    assert len(sink.messages) == 30
+    assert len(sink.per_connection()) == 2
+    for got in sink.messages:
+        assert got.data.endswith(bodies[got.rcpt_tos[0]])
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+
+
 def test_it_puts_the_link_in_retry_when_every_host_fails(relay, sink_factory):
     relay.a("example.net", "127.0.0.2")  # nothing listens yet
     accept("u1@example.net")

@@ -466,3 +466,90 @@ def test_sending_a_large_body_costs_at_most_one_copy(smtp_port):
     assert peer.bodies == [stuffed_size + 3]
     # one stuffed copy, plus a slice in the transport and the peer's buffers
     assert body.peak < len(data) * 1.2 + 3 * MiB, body.peak  # type: ignore[attr-defined]
+
+
+def _recording_after(delay: float, events: list[tuple]) -> Callable[[list], Awaitable[None]]:
+    """An ``on_sent`` whose record commits ``delay`` seconds later."""
+
+    def on_sent(results: list) -> Awaitable[None]:
+        mid = results[0].message_id
+        events.append(("sent", mid))
+
+        async def commit() -> None:
+            await asyncio.sleep(delay)
+            events.append(("recorded", mid))
+
+        return asyncio.ensure_future(commit())
+
+    return on_sent
+
+
+def test_the_next_body_is_read_while_the_previous_outcome_commits(sink, smtp_port):
+    messages = [message(f"r{i}@example.com") for i in range(3)]
+    stored = _lazy(messages)
+    events: list[tuple] = []
+
+    async def load_body(msg: OutboundMessage) -> bytes:
+        events.append(("load", msg.id, sink.verbs().count("MAIL")))
+        return stored[msg.id]
+
+    batch = asyncio.run(
+        deliver(
+            [target(A, smtp_port)],
+            messages,
+            config(max_connections=1),
+            load_body=load_body,
+            on_sent=_recording_after(0.05, events),
+        )
+    )
+    assert {r.outcome for r in batch.results} == {"delivered"}
+    m0, m1, m2 = (m.id for m in messages)
+    # each next body is read before the record it waits for is in, and its
+    # MAIL FROM goes out only after that record
+    assert events == [
+        ("load", m0, 0),
+        ("sent", m0),
+        ("load", m1, 1),
+        ("recorded", m0),
+        ("sent", m1),
+        ("load", m2, 2),
+        ("recorded", m1),
+        ("sent", m2),
+        ("recorded", m2),
+    ]
+    assert [got.data for got in sink.messages] == [stored[m.id] for m in messages]
+
+
+def test_a_body_read_ahead_is_dropped_when_the_claim_is_lost_meanwhile(sink, smtp_port):
+    messages = [message(f"r{i}@example.com") for i in range(3)]
+    stored = _lazy(messages)
+    owner = True
+    reads: list[int] = []
+
+    async def load_body(msg: OutboundMessage) -> bytes:
+        reads.append(msg.id)
+        await asyncio.sleep(0.2)  # still reading when the claim is found lost
+        return stored[msg.id]
+
+    def on_sent(results: list) -> Awaitable[None]:
+        async def commit() -> None:
+            nonlocal owner
+            await asyncio.sleep(0.01)
+            owner = False  # lost while the first record commits
+
+        return asyncio.ensure_future(commit())
+
+    batch = asyncio.run(
+        deliver(
+            [target(A, smtp_port)],
+            messages,
+            config(max_connections=1),
+            still_owner=lambda: owner,
+            load_body=load_body,
+            on_sent=on_sent,
+        )
+    )
+    assert batch.abandoned
+    assert reads == [messages[0].id, messages[1].id]  # the second read was started...
+    assert len(sink.messages) == 1 and sink.verbs().count("MAIL") == 1  # ...and never sent
+    assert [r.message_id for r in batch.results] == [messages[0].id]

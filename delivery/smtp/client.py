@@ -445,12 +445,14 @@ class _Batch:
         rec: Recorder | None = None
         conn.may_send = self.owner
         recorded: Awaitable[object] | None = None
+        ahead: asyncio.Future[bytes] | None = None  # the next body, read meanwhile
         try:
             while remaining and self.owner():
                 if recorded is not None:
                     # The previous message's outcome is durable before the next
                     # transaction starts: a crash re-sends at most one message
-                    # per open connection.
+                    # per open connection. The next body is read meanwhile.
+                    ahead = self._read_ahead(remaining[0])
                     await recorded
                     recorded = None
                     continue  # ownership is asked again
@@ -464,7 +466,9 @@ class _Batch:
                     peer_dsn="DSN" in conn.extensions,
                     security=conn.security,
                 )
-                await conn.send(remaining[0], rec, self.load_body)
+                load = self.load_body if ahead is None else _given(ahead)
+                ahead = None
+                await conn.send(remaining[0], rec, load)
                 done = rec.results()
                 self.results.extend(done)
                 if self.on_sent is not None and done:
@@ -500,6 +504,19 @@ class _Batch:
         except BaseException:  # cancelled: leave no socket behind
             conn.abort()
             raise
+        finally:
+            if ahead is not None:
+                ahead.cancel()  # not sent: its body is dropped
+
+    def _read_ahead(self, msg: OutboundMessage) -> asyncio.Future[bytes] | None:
+        """Start reading ``msg``'s body while the previous message's outcome
+        commits, so the next MAIL FROM waits for the commit only. Still at most
+        one body per connection: the previous one was dropped after its dot."""
+        if msg.data is not None or self.load_body is None:
+            return None
+        future = asyncio.ensure_future(self.load_body(msg))
+        future.add_done_callback(_retrieve)  # a read never used logs nothing
+        return future
 
     def _defer_remaining(
         self,
@@ -518,6 +535,20 @@ class _Batch:
             rec.fill(failure.phase, failure.code, failure.text, failure.enhanced)
             self.results.extend(rec.results())
         remaining.clear()
+
+
+def _given(future: asyncio.Future[bytes]) -> LoadBody:
+    """A ``load_body`` that gives what ``_read_ahead`` read (or its error)."""
+
+    async def load(_msg: OutboundMessage) -> bytes:
+        return await future
+
+    return load
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 @dataclass(frozen=True)

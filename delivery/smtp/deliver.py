@@ -97,7 +97,9 @@ def claim_round(link_id: int, owner: str, limit: int) -> list[int]:
 
 # Small bodies are read with the round's envelopes, in the same query, up to
 # PRELOAD_BYTES in all (one query instead of one per message, for the usual
-# small mail); larger ones are read one at a time when sent (_read_body).
+# small mail); larger ones are read when their connection is about to send
+# them, while its previous message's record commits (_read_bodies: the bodies
+# asked for at once in one SELECT).
 PRELOAD_MESSAGE_BYTES = 64 * 1024
 PRELOAD_BYTES = 4 * 1024 * 1024
 
@@ -146,16 +148,17 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
     ]
 
 
-def _read_body(message_id: int) -> bytes:
-    """What leaves for the next hop, on the owner's connection: the header
-    fields added for sending (a DKIM-Signature, queues.dkim) before the stored
-    bytes, which stay as received."""
-    row = Message.objects.filter(pk=message_id).values_list("signature", "data").first()
-    if row is None:
-        raise LookupError(f"message {message_id} is no longer stored")
-    signature, data = row
+def _read_bodies(message_ids: list[int]) -> dict[int, bytes]:
+    """What leaves for the next hop, by message id, in one SELECT on the owner's
+    connection: the header fields added for sending (a DKIM-Signature,
+    queues.dkim) before the stored bytes, which stay as received. A message no
+    longer stored is not in the answer."""
+    rows = Message.objects.filter(pk__in=message_ids).values_list("id", "signature", "data")
     # join copies each piece once (no bytes() of the body first).
-    return b"".join((signature, data)) if signature else bytes(data)
+    return {
+        mid: b"".join((signature, data)) if signature else bytes(data)
+        for mid, signature, data in rows
+    }
 
 
 def _exchange(
@@ -230,14 +233,47 @@ def _exchange(
             backlog.extend(_record_waiting(requests, item, record_early, gather))
             claim.renew_if_due()
             continue
-        message_id, future = item
-        try:
-            future.set_result(while_connected(claim, lambda mid=message_id: _read_body(mid)))
-        except Exception as exc:  # noqa: BLE001 - the client defers that message
-            future.set_exception(exc)
+        wanted = [item]  # with every other body asked for by now: one SELECT
+        while backlog and backlog[0] is not None and backlog[0][0] != "sent":
+            wanted.append(backlog.popleft())
+        backlog.extend(_more_bodies(requests, wanted))
+        _give_bodies(claim, wanted)
         claim.renew_if_due()
     loop_thread.join()
     return outcome.result()
+
+
+def _more_bodies(requests: queue.SimpleQueue, wanted: list) -> list:
+    """Add to ``wanted`` the body requests already waiting; returns the first
+    other request, if one was taken."""
+    while True:
+        try:
+            item = requests.get_nowait()
+        except queue.Empty:
+            return []
+        if item is None or item[0] == "sent":
+            return [item]
+        wanted.append(item)
+
+
+def _give_bodies(claim: Claim, wanted: list) -> None:
+    """Read the bodies asked for (``_read_bodies``) and hand each to its
+    connection; a body no longer wanted (its connection stopped) is skipped."""
+    wanted = [(mid, future) for mid, future in wanted if future.set_running_or_notify_cancel()]
+    if not wanted:
+        return
+    try:
+        bodies = while_connected(claim, lambda: _read_bodies([mid for mid, _ in wanted]))
+    except Exception as exc:  # noqa: BLE001 - the client defers those messages
+        for _, future in wanted:
+            future.set_exception(exc)
+        return
+    for mid, future in wanted:
+        body = bodies.get(mid)
+        if body is None:
+            future.set_exception(LookupError(f"message {mid} is no longer stored"))
+        else:
+            future.set_result(body)
 
 
 def _record_waiting(
