@@ -358,8 +358,10 @@ MAILRELAY_DELIVERY_LEASE = env_duration("MAILRELAY_DELIVERY_LEASE", "30s")
 MAILRELAY_DELIVERY_LEASE_MARGIN = env_duration("MAILRELAY_DELIVERY_LEASE_MARGIN", "5s")
 # A delivery round claims at most this many bytes of messages (at least one message).
 MAILRELAY_DELIVERY_ROUND_BYTES = env_size("MAILRELAY_DELIVERY_ROUND_BYTES", "100MB")
-# Between two rounds of a link whose last round was not full, its delivery task
-# waits this long so the next round gathers more (0: no wait; bench/README.md).
+# Between two rounds of a link whose last round held fewer recipients than
+# MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION, its delivery task waits this long
+# so the next round gathers more; after a larger round it does not wait (the
+# link is busy). 0: no wait; bench/README.md.
 MAILRELAY_DELIVERY_ROUND_WAIT = env_duration("MAILRELAY_DELIVERY_ROUND_WAIT", "0.05s")
 MAILRELAY_WEB_LISTEN = env_str("MAILRELAY_WEB_LISTEN", "127.0.0.1:8000")
 # Processes of the control worker (categorize, sweep) and threads of the

@@ -2,7 +2,9 @@
 delivery task lets the next round gather what arrives while the last one was
 not full, and a categorize task its next batch (issue #14: a round or a batch
 costs the same statements for 3 messages or 40, so fewer, larger ones cost
-less per message). The first never waits, nor the one after a full one.
+less per message). The first never waits, nor a round after one of at least
+as many recipients as the link may open connections, nor a batch after a
+full one.
 
 Real PostgreSQL, a real sink on loopback and the loopback DNS server; only
 the waits themselves are observed (``deliver._round_wait``,
@@ -99,17 +101,22 @@ def test_what_arrives_during_the_wait_goes_in_the_same_task_s_next_round(relay, 
     assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
 
 
-def test_no_wait_before_the_first_round_or_after_a_full_one(relay, waits, settings):
-    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1
-    settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION = 2  # a full round: 2 recipients
-    arrive(4, "full")
+def test_no_wait_before_the_first_round_or_after_one_of_as_many_as_connections(
+    relay, waits, settings
+):
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 2
+    settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION = 2  # a full round: 4 recipients
+    arrive(8, "full")
     seen = waits()
-    assert deliver.deliver_link(link_id()) == 4  # rounds of 2 and 2, then none due
+    assert deliver.deliver_link(link_id()) == 8  # rounds of 4 and 4, then none due
     assert seen == []
-    arrive(3, "odd")
-    assert deliver.deliver_link(link_id()) == 3  # 2 (full, no wait), 1, then a wait
+    arrive(6, "busy")
+    assert deliver.deliver_link(link_id()) == 6  # 4, then 2: as many as connections
+    assert seen == []
+    arrive(5, "odd")
+    assert deliver.deliver_link(link_id()) == 5  # 4, then 1 (fewer), a wait
     assert seen == [0.05]
-    assert len(relay.messages) == 7
+    assert len(relay.messages) == 19
 
 
 def test_zero_turns_the_wait_off(relay, waits, settings):

@@ -754,7 +754,6 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
     handled = 0
     config = ClientConfig.from_settings()
     gather = settings.MAILRELAY_DELIVERY_ROUND_WAIT.total_seconds()
-    full_round = config.max_connections * config.max_messages_per_connection
     while True:
         acquired_at = time.monotonic()  # the link's lease runs from this request
         if not link_acquire(link_id, holder.owner):
@@ -764,10 +763,14 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
         try:
             count = 0
             while claim.held():
-                if 0 < count < full_round and gather > 0:
-                    # The last round took all that was due and more is arriving:
-                    # let the next one gather it (one round's statements for more
-                    # messages). The first round never waits; a full one neither.
+                if 0 < count < config.max_connections and gather > 0:
+                    # The last round took all that was due, and it was small
+                    # (fewer recipients than connections the link may open):
+                    # let the next one gather what arrives (one round's
+                    # statements for more messages). The first round never
+                    # waits, nor one after a larger round: that link is busy,
+                    # its rounds last long enough to gather, and a wait would
+                    # only leave it idle (bench/README.md "Session 9").
                     _round_wait(gather)
                 link = Link.objects.get(pk=link_id)
                 if link.next_retry_at and link.next_retry_at > clock.now():
