@@ -324,6 +324,8 @@ MAILRELAY_DNS_NAMESERVERS = env_list("MAILRELAY_DNS_NAMESERVERS", "")
 MAILRELAY_DNS_TIMEOUT = env_duration("MAILRELAY_DNS_TIMEOUT", "10s")
 MAILRELAY_REMOTE_SMTP_PORT = env_int("MAILRELAY_REMOTE_SMTP_PORT", 25)
 
+# At most; a round spreads its messages over the connections, at least 5 each
+# (delivery.smtp.client.group_size).
 MAILRELAY_MAX_MESSAGES_PER_CONNECTION = env_int("MAILRELAY_MAX_MESSAGES_PER_CONNECTION", 20)
 # 20: the default of Postfix (default_destination_concurrency_limit) and of
 # Exchange (MaxPerDomainOutboundConnections); bench/README.md "Session 8".

@@ -132,7 +132,7 @@ def test_delivers_the_exact_bytes(sink, smtp_port):
 
 def test_twenty_messages_over_one_connection(sink, smtp_port):
     messages = [message(f"r{i}@example.com") for i in range(20)]
-    batch = run([target(A, smtp_port)], messages)
+    batch = run([target(A, smtp_port)], messages, max_connections=1)
     assert outcomes(batch, messages) == ["delivered"] * 20
     assert sink.connections == 1
     assert sink.per_connection() == [20]
@@ -141,11 +141,31 @@ def test_twenty_messages_over_one_connection(sink, smtp_port):
 
 def test_45_messages_open_three_connections(sink, smtp_port):
     messages = [message(f"r{i}@example.com") for i in range(45)]
-    batch = run([target(A, smtp_port)], messages)
+    batch = run([target(A, smtp_port)], messages, max_connections=3)
     assert outcomes(batch, messages) == ["delivered"] * 45
     assert sink.connections == 3
     assert sorted(sink.per_connection()) == [15, 15, 15]
     assert max(sink.per_connection()) <= 20
+
+
+@pytest.mark.parametrize(
+    ("count", "per_connection"),
+    [
+        (4, [4]),  # fewer than MIN_MESSAGES_PER_CONNECTION: one connection
+        (12, [4, 4, 4]),  # at least 5 a connection would be 3 groups: balanced
+        (45, [5] * 9),
+        (300, [15] * 20),  # every connection, an equal share
+        (400, [20] * 20),  # a full round
+    ],
+)
+def test_a_round_is_spread_over_the_connections_at_least_five_each(
+    sink, smtp_port, count, per_connection
+):
+    messages = [message(f"r{i}@example.com") for i in range(count)]
+    batch = run([target(A, smtp_port)], messages)  # 20 connections, 20 messages each
+    assert outcomes(batch, messages) == ["delivered"] * count
+    assert sorted(sink.per_connection()) == per_connection
+    assert sink.peak_connections <= 20
 
 
 def test_never_more_than_max_connections_at_once(sink, smtp_port):
@@ -358,7 +378,7 @@ def test_lost_connection_mid_batch_continues_on_the_next_target(sink_factory, sm
     first = sink_factory(A, drop_after_data={3})
     second = sink_factory(B)
     messages = [message(f"r{i}@example.com") for i in range(6)]
-    batch = run([target(A, smtp_port), target(B, smtp_port)], messages)
+    batch = run([target(A, smtp_port), target(B, smtp_port)], messages, max_connections=1)
 
     assert outcomes(batch, messages) == ["delivered"] * 2 + ["deferred"] + ["delivered"] * 3
     [lost] = by_message(batch)[messages[2].id]

@@ -74,10 +74,26 @@ log = logging.getLogger(__name__)
 # --- helpers --------------------------------------------------------------------
 
 
+# A round opens another connection only for at least this many messages: a
+# connection costs three round trips of its own (greeting, EHLO, QUIT) and a
+# pipelined message two, so its set-up stays under a third of what it carries.
+MIN_MESSAGES_PER_CONNECTION = 5
+
+
+def group_size(count: int, config: ClientConfig) -> int:
+    """How many of a round's ``count`` messages one connection carries: spread
+    over up to ``max_connections`` (a round lasts as long as its longest
+    connection, and its messages wait for it), at least
+    ``MIN_MESSAGES_PER_CONNECTION`` each, at most ``max_messages_per_connection``."""
+    spread = -(-count // max(1, config.max_connections))
+    size = max(MIN_MESSAGES_PER_CONNECTION, spread)
+    return max(1, min(config.max_messages_per_connection, size))
+
+
 def connections_for(count: int, config: ClientConfig) -> int:
     """How many connections a round of ``count`` messages opens at once: one per
-    group of at most ``max_messages_per_connection``, up to ``max_connections``."""
-    groups = -(-count // max(1, config.max_messages_per_connection))
+    group of ``group_size``, up to ``max_connections``."""
+    groups = -(-count // group_size(count, config))
     return min(max(1, config.max_connections), groups)
 
 
@@ -590,7 +606,9 @@ async def deliver(
 
     Steps:
     1. split the messages into balanced groups of at most
-       ``max_messages_per_connection``, one group per connection;
+       ``group_size`` (spread over the connections, at least
+       ``MIN_MESSAGES_PER_CONNECTION`` and at most ``max_messages_per_connection``
+       each), one group per connection;
     2. run up to ``max_connections`` connections at once, each taking the
        next group while groups remain and the round is still the owner
        (``_Batch.run_group``);
@@ -601,7 +619,7 @@ async def deliver(
     Never raises for network problems; cancellation propagates.
     """
     batch = _Batch(targets, config, still_owner, load_body, on_sent)
-    groups = deque(_split_groups(messages, config.max_messages_per_connection))
+    groups = deque(_split_groups(messages, group_size(len(messages), config)))
 
     async def worker() -> None:
         while groups and batch.owner():
