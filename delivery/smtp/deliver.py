@@ -236,7 +236,8 @@ def _exchange(
         wanted = [item]  # with every other body asked for by now: one SELECT
         while backlog and backlog[0] is not None and backlog[0][0] != "sent":
             wanted.append(backlog.popleft())
-        backlog.extend(_more_bodies(requests, wanted))
+        if not backlog:  # (what waits in the backlog goes first)
+            backlog.extend(_more_bodies(requests, wanted))
         _give_bodies(claim, wanted)
         claim.renew_if_due()
     loop_thread.join()
