@@ -9,6 +9,8 @@ per message (or per recipient) shows as a count that grows with the batch.
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+from collections import deque
 from datetime import timedelta
 
 import pytest
@@ -155,3 +157,22 @@ def test_bodies_asked_for_at_once_are_read_in_one_statement():
     assert stopped.cancelled()
     with pytest.raises(LookupError, match=f"message {gone} is no longer stored"):
         futures[2].result()
+
+
+def test_the_bodies_read_together_are_those_asked_for_before_the_next_record():
+    """The owner reads at once the body requests at the front of its backlog
+    and, only when nothing else waits there, those queued meanwhile; a record
+    request met on the way stays in order for the next turn."""
+    first, body2, body3, body4 = ((n, object()) for n in range(1, 5))
+    sent = ("sent", [], object())
+    backlog = deque([body2, sent, body3])
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    requests.put(body4)
+    assert deliver._bodies_wanted(first, backlog, requests) == [first, body2]
+    assert list(backlog) == [sent, body3] and requests.get_nowait() == body4
+
+    backlog = deque()
+    for item in (body2, sent, body3):
+        requests.put(item)
+    assert deliver._bodies_wanted(first, backlog, requests) == [first, body2]
+    assert list(backlog) == [sent] and requests.get_nowait() == body3

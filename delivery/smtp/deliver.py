@@ -233,28 +233,30 @@ def _exchange(
             backlog.extend(_record_waiting(requests, item, record_early, gather))
             claim.renew_if_due()
             continue
-        wanted = [item]  # with every other body asked for by now: one SELECT
-        while backlog and backlog[0] is not None and backlog[0][0] != "sent":
-            wanted.append(backlog.popleft())
-        if not backlog:  # (what waits in the backlog goes first)
-            backlog.extend(_more_bodies(requests, wanted))
-        _give_bodies(claim, wanted)
+        _give_bodies(claim, _bodies_wanted(item, backlog, requests))
         claim.renew_if_due()
     loop_thread.join()
     return outcome.result()
 
 
-def _more_bodies(requests: queue.SimpleQueue, wanted: list) -> list:
-    """Add to ``wanted`` the body requests already waiting; returns the first
-    other request, if one was taken."""
-    while True:
+def _bodies_wanted(first: tuple, backlog: deque, requests: queue.SimpleQueue) -> list:
+    """``first`` (a body request) with every other one asked for by now, to read
+    in one SELECT: those leading the backlog, then, when the backlog is empty
+    (what waits there goes first), those waiting in ``requests``; the first
+    other request taken from there goes to the backlog."""
+    wanted = [first]
+    while backlog and backlog[0] is not None and backlog[0][0] != "sent":
+        wanted.append(backlog.popleft())
+    while not backlog:
         try:
             item = requests.get_nowait()
         except queue.Empty:
-            return []
+            break
         if item is None or item[0] == "sent":
-            return [item]
-        wanted.append(item)
+            backlog.append(item)
+        else:
+            wanted.append(item)
+    return wanted
 
 
 def _give_bodies(claim: Claim, wanted: list) -> None:
