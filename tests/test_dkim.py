@@ -17,10 +17,10 @@ import dns.resolver
 import pytest
 from django.core.management import call_command
 
-from queues import dkim
+from queues import clock, dkim
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
-from queues.models import Event, Message
-from queues.services import actions
+from queues.models import DkimKey, Event, Message, MessageState, Recipient, RecipientState
+from queues.services import accounts, actions
 from tests.support.dns import DNSTestServer
 from tests.support.pipeline import drain
 
@@ -135,6 +135,43 @@ def test_a_message_accepted_over_smtp_leaves_signed_and_verifies(
     assert actions.message_export(stored) == data
     assert actions.message_export(stored, form="sent") == sent
     assert actions.message_export_size(stored, form="sent") == len(sent)
+
+
+@pytest.mark.django_db(transaction=True)  # the deletions and the records at real COMMITs
+def test_a_key_and_an_account_deleted_while_mail_flows_cost_no_delivery_record(
+    relay, sink_factory
+):
+    """#22: the database key that signed a queued message and the SMTP account
+    that sent it are deleted before its round. The signature was made at
+    accept: the message leaves signed, is recorded delivered once, and tracked."""
+    from tracking.models import TrackingEvent
+
+    publish(relay, generate("example.com", "s1", "--ed25519", "--database"))
+    accounts.create_account("alice", "correct horse battery staple")
+    sink = sink_factory("127.0.0.2")
+    envelope = IncomingEnvelope(
+        mail_from="alice@example.com",
+        recipients=[IncomingRecipient("bob@example.net")],
+        client_address="127.0.0.1",
+        client_helo="client.test",
+        auth_account="alice",
+        dkim_sign=True,
+    )
+    qid = message_accept(envelope, BODY).qid
+    DkimKey.objects.all().delete()
+    dkim.reset_key_store()  # as a worker that reads the keys again would see it
+    accounts.delete_account("alice")
+    drain()
+    assert len(sink.messages) == 1
+    assert dkimpy.verify(sink.messages[0].data, dnsfunc=txt_lookup(relay))
+    stored = Message.objects.get(qid=qid)
+    assert (stored.state, stored.auth_account) == (MessageState.DONE, "alice")
+    assert Recipient.objects.get(message=stored).state == RecipientState.DELIVERED
+    delivered = TrackingEvent.objects.filter(qid=qid, event="delivered")
+    assert delivered.count() == 1
+    clock.advance(timedelta(minutes=5))
+    drain()
+    assert len(sink.messages) == 1  # exactly once
 
 
 def test_a_message_whose_from_domain_has_no_key_leaves_unsigned(relay, sink_factory):
