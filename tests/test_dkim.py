@@ -138,9 +138,7 @@ def test_a_message_accepted_over_smtp_leaves_signed_and_verifies(
 
 
 @pytest.mark.django_db(transaction=True)  # the deletions and the records at real COMMITs
-def test_a_key_and_an_account_deleted_while_mail_flows_cost_no_delivery_record(
-    relay, sink_factory
-):
+def test_a_key_and_an_account_deleted_while_mail_flows_cost_no_delivery_record(relay, sink_factory):
     """#22: the database key that signed a queued message and the SMTP account
     that sent it are deleted before its round. The signature was made at
     accept: the message leaves signed, is recorded delivered once, and tracked."""
