@@ -373,6 +373,38 @@ def test_a_throttling_reply_halves_the_limits_and_they_recover(shaping, relay, s
     assert describe(entry, back) == "4 conn, 3 msg/conn, 10/min messages"
 
 
+def test_an_entry_removed_while_its_round_runs_costs_no_delivery_record(
+    shaping, relay, sink_factory, monkeypatch
+):
+    """#22: the operator removes the entry a round was shaped by while it runs
+    (the file is read again at once): the round records every delivery and
+    gives its slots back; the next round has no entry and sends nothing twice."""
+    sink = sink_factory("127.0.0.2")
+    observe = gate.ShapedRound.observe
+    removed: list[str] = []
+
+    def observe_then_remove(self, batch):  # after the exchange, before the record
+        shaping.write("entries: []\n")
+        assert policy.current().entries == ()
+        removed.append(self.entry.name)
+        return observe(self, batch)
+
+    monkeypatch.setattr(gate.ShapedRound, "observe", observe_then_remove)
+    accept(*(f"r{i}@a.shaped.test" for i in range(4)))
+    accept("s@a.shaped.test")
+    drain()
+    assert removed == ["provider"]  # one shaped round; the entry went while it ran
+    states = set(Recipient.objects.values_list("state", flat=True))
+    assert states == {RecipientState.DELIVERED}
+    assert len(sink.messages) == 2
+    assert Attempt.objects.count() == 5
+    lim = limiter.limiter()
+    assert lim.status("entry:provider", clock.now().timestamp(), (60.0, 60.0)).connections == 0
+    clock.advance(timedelta(minutes=5))
+    drain()
+    assert len(sink.messages) == 2  # exactly once
+
+
 def test_the_source_address_and_helo_name_of_an_entry_are_used(
     shaping, relay, sink_factory, peer_log
 ):
