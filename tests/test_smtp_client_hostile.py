@@ -553,3 +553,26 @@ def test_a_body_read_ahead_is_dropped_when_the_claim_is_lost_meanwhile(sink, smt
     assert reads == [messages[0].id, messages[1].id]  # the second read was started...
     assert len(sink.messages) == 1 and sink.verbs().count("MAIL") == 1  # ...and never sent
     assert [r.message_id for r in batch.results] == [messages[0].id]
+
+
+def test_a_body_read_ahead_keeps_at_most_one_body_per_connection_alive(sink, smtp_port):
+    messages = [message(f"r{i}@example.com") for i in range(4)]
+    stored = _lazy(messages)
+    Body.alive = Body.peak = 0
+    events: list[tuple] = []
+
+    async def load_body(msg: OutboundMessage) -> bytes:
+        return Body(stored[msg.id])
+
+    batch = asyncio.run(
+        deliver(
+            [target(A, smtp_port)],
+            messages,
+            config(max_connections=1),
+            load_body=load_body,
+            on_sent=_recording_after(0.05, events),  # the next body is read meanwhile
+        )
+    )
+    assert {r.outcome for r in batch.results} == {"delivered"} and len(sink.messages) == 4
+    assert Body.peak == 1  # the sent one is dropped before the next is read
+    assert Body.alive == 0

@@ -554,10 +554,13 @@ class _Batch:
 
 
 def _given(future: asyncio.Future[bytes]) -> LoadBody:
-    """A ``load_body`` that gives what ``_read_ahead`` read (or its error)."""
+    """A ``load_body`` that gives what ``_read_ahead`` read (or its error), once,
+    and keeps no reference to it: the body must go when the connection drops
+    it after the final dot, not live on in the future that read it."""
+    held = [future]
 
     async def load(_msg: OutboundMessage) -> bytes:
-        return await future
+        return await held.pop()
 
     return load
 
