@@ -37,8 +37,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from queues import clock
 from queues.access import client_in_networks
+from queues.lib import clock
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     DeliveryType,

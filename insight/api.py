@@ -12,7 +12,7 @@ from rest_framework.views import APIView
 from insight import alerts
 from insight.explain import explain_message
 from insight.incidents import incidents
-from queues import clock
+from queues.lib import clock
 from queues.models import Message
 from queues.permissions import IsViewer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from insight.explain import explain_message
-from queues import clock
+from queues.lib import clock
 from queues.models import Message
 
 

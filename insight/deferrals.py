@@ -45,7 +45,7 @@ from insight.groups import (
 )
 from insight.incidents import INCIDENTS_STORED, aggregate
 from insight.models import DeferralGroup, IncidentSummary, InsightRefresh
-from queues import clock
+from queues.lib import clock
 
 
 def bounded(groups: list[Group], per_queue: int = GROUPS_PER_QUEUE) -> list[Group]:

@@ -31,6 +31,7 @@ from delivery.smtp import retry
 from delivery.smtp.retryrules import Rule, parse_rules
 from delivery.smtp.retryschedule import projected_schedule
 from queues.bounce import rule as dsn_rule
+from queues.lib import format_duration
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     Attempt,
@@ -44,7 +45,6 @@ from queues.models import (
     RecipientState,
     RetryHint,
 )
-from queues.units import format_duration
 
 #: Every reason code explain can give, and what it means.
 REASONS: dict[str, str] = {

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from insight.alerts import LEVEL_VALUES, age_checks
 from insight.models import AlertState
-from queues import clock
+from queues.lib import clock
 from queues.models import DeliveryType, LinkState, Queue, Recipient
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from insight import alerts, deferrals
-from queues import clock
+from queues.lib import clock
 
 
 @shared_task(name="insight.tasks.refresh", ignore_result=True)

@@ -14,8 +14,8 @@ from django.views.decorators.http import require_GET
 from insight.deferrals import deferral_groups
 from insight.explain import explain_queue
 from insight.incidents import incidents
-from queues import clock
 from queues.filters import MessageFilter, messages_page, messages_prefetch
+from queues.lib import clock
 from queues.models import Attempt, AttemptOutcome, Queue, QueueSample
 from queues.services.counts import current_counts
 from queues.ui.views import (

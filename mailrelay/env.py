@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from django.core.exceptions import ImproperlyConfigured
 
-from queues.units import parse_duration, parse_size  # noqa: F401 - re-exported
+from queues.lib import parse_duration, parse_size  # noqa: F401 - re-exported
 
 
 def _raw(name: str) -> str | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Exchange, Queue
 
-from queues.domains import domain_keys
+from queues.lib import domain_keys
 
 from .dburl import parse_database_url
 from .env import (

@@ -12,10 +12,10 @@ from email.utils import format_datetime
 from django.conf import settings
 from django.db import IntegrityError, InterfaceError, OperationalError, connection
 
-from queues import clock, dkim, domains
+from queues import dkim, lib
 from queues.bulk import insert_many_with_children, insert_with_children
 from queues.dberrors import drop_connection, is_outage
-from queues.headers import inspect_headers
+from queues.lib import clock, inspect_headers
 from queues.models import (
     Event,
     EventLevel,
@@ -86,8 +86,8 @@ def recipient_domain(address: str) -> str:
     """
     domain = address.rpartition("@")[2]
     try:
-        return domains.domain_key(domain)
-    except domains.DomainError:
+        return lib.domain_key(domain)
+    except lib.DomainError:
         return domain.rstrip(".").lower()
 
 

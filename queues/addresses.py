@@ -4,7 +4,7 @@ Pure (no network, database or settings). Every way a message comes in uses
 it, once: the SMTP server's MAIL and RCPT (delivery.smtpd.policy), pickup and
 replay, and an operator's corrected envelope (queues.services.envelope_edits).
 
-A path's domain is normalised here for all of them (``queues.domains``: IDNA
+A path's domain is normalised here for all of them (``queues.lib``: IDNA
 2008 with UTS #46 mapping): a ``Mailbox`` carries the local part exactly as
 given and the domain in its envelope form, so ``victim@ｅｘａｍｐｌｅ.test`` is
 stored as ``victim@example.test``; relay control (``domain_key``) and routing
@@ -18,7 +18,7 @@ import re
 import string
 from dataclasses import dataclass
 
-from queues import domains
+from queues import lib
 
 # Our columns (Message.mail_from, Recipient.address) hold 512 characters;
 # RFC 5321 4.5.3.1.3 allows 256 octets for a whole path.
@@ -47,21 +47,21 @@ class BadDomain(PathSyntaxError):  # noqa: N818
 def domain_key(domain: str) -> str:
     """A domain as compared with MAILRELAY_ACCEPTED_DOMAINS: its one form.
 
-    ``queues.domains.domain_key``: so ``ｅｘａｍｐｌｅ.test`` matches ``example.test``
+    ``queues.lib.domain_key``: so ``ｅｘａｍｐｌｅ.test`` matches ``example.test``
     and an SMTPUTF8 recipient ``exämple.com`` matches ``xn--exmple-cua.com``. A
     domain without a form (never one of a parsed ``Mailbox``) is compared in
     lower case, without the final dot, and so matches no accepted domain.
     """
     try:
-        return domains.domain_key(domain)
-    except domains.DomainError:
+        return lib.domain_key(domain)
+    except lib.DomainError:
         return domain.rstrip(".").lower()
 
 
 @dataclass(frozen=True)
 class Mailbox:
     """An RFC 5321 path: the local part as given (quotes and case kept), the
-    domain checked and in its envelope form (``queues.domains.envelope_domain``)."""
+    domain checked and in its envelope form (``queues.lib.envelope_domain``)."""
 
     local: str
     domain: str  # "" when the client gave none; an address literal as given
@@ -132,8 +132,8 @@ def _parse_domain(text: str) -> str:
             if not _LABEL.match(label) or len(label) > 63:
                 raise PathSyntaxError(f"bad domain label {label!r}")
     try:
-        return domains.envelope_domain(text)
-    except domains.DomainError as exc:
+        return lib.envelope_domain(text)
+    except lib.DomainError as exc:
         raise BadDomain(str(exc)) from None
 
 

@@ -35,9 +35,9 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa, uti
 from django.conf import settings
 from django.db import Error, InterfaceError, OperationalError, connection, transaction
 
-from queues import domains
+from queues import lib
 from queues.dberrors import is_outage
-from queues.headers import header_end
+from queues.lib import header_end
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +165,11 @@ def _file_key(path: Path) -> SigningKey | None:
     stem = path.name[: -len(KEY_SUFFIX)]
     domain, _, selector = stem.rpartition(".")
     try:
-        domain = domains.domain_key(domain)
+        domain = lib.domain_key(domain)
         selector = check_selector(selector)
         algorithm, key = normalize_private_key(path.read_bytes())
         created = path.stat().st_mtime
-    except (OSError, DkimError, domains.DomainError) as exc:
+    except (OSError, DkimError, lib.DomainError) as exc:
         log.warning("DKIM key file %s ignored: %s", path, exc)
         return None
     if "." not in domain:
@@ -192,9 +192,9 @@ def _database_keys() -> list[SigningKey]:
         )
     for domain, selector, algorithm, private_key, created_at in rows:
         try:
-            domain = domains.domain_key(domain)
+            domain = lib.domain_key(domain)
             kind, key = normalize_private_key(private_key)
-        except (DkimError, domains.DomainError) as exc:
+        except (DkimError, lib.DomainError) as exc:
             log.warning("DKIM key %s._domainkey.%s ignored: %s", selector, domain, exc)
             continue
         if algorithm and algorithm != kind:
@@ -327,8 +327,8 @@ def from_domain(data: bytes | bytearray, end: int | None = None) -> str | None:
         domain = address.rpartition("@")[2]
         if domain:
             try:
-                return domains.domain_key(domain)
-            except domains.DomainError:
+                return lib.domain_key(domain)
+            except lib.DomainError:
                 return None
     return None
 

@@ -32,9 +32,8 @@ from django.db.models import CharField, Exists, OuterRef, Q, QuerySet, TextField
 from django.db.models.lookups import IContains, Lookup
 from django.utils.dateparse import parse_datetime
 
-from queues import clock
-from queues.headers import header_block
 from queues.holdings import holds_q
+from queues.lib import clock, header_block, parse_duration, parse_size
 from queues.models import (
     AuditEntry,
     DeliveryType,
@@ -56,7 +55,6 @@ from queues.paging import (
     Sort,
     keyset_page,
 )
-from queues.units import parse_duration, parse_size
 
 # error_group's digit tokens each become a regular expression; PostgreSQL refuses
 # an expression that is too complex, so a group has at most this many.

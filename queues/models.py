@@ -11,8 +11,6 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
-from queues.retrydata import RetryHintQuerySet
-
 # The states live in queues.states (the transitions use them too); re-exported
 # here because every caller knows them as queues.models.*.
 from queues.states import (  # noqa: F401
@@ -33,6 +31,7 @@ from queues.transitions import (
     QueueQuerySet,
     RecipientQuerySet,
 )
+from queues.transitions.flow import RetryHintQuerySet
 
 
 class Link(models.Model):

@@ -25,8 +25,8 @@ from django import forms
 from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiParameter
 
-from queues import clock
 from queues.filters import EDGES, FilterParam
+from queues.lib import clock
 from queues.permissions import OPERATOR, has_role
 from queues.services import actions
 from queues.services.actions import ActionInvalid, MessageAction, Preview

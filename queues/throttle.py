@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.core.cache import cache
 
-from queues import clock
+from queues.lib import clock
 from queues.models import AuditEntry, Event
 from queues.states import EventLevel
 

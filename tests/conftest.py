@@ -2,7 +2,7 @@
 
 import pytest
 
-from queues import clock
+from queues.lib import clock
 
 pytest_plugins = [
     "tests.support.dns",

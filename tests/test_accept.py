@@ -1,7 +1,7 @@
 import pytest
 
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept, new_qid
-from queues.headers import inspect_headers
+from queues.lib import inspect_headers
 from queues.models import Message, MessageState, Recipient, RecipientState
 
 RAW = (

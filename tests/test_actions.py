@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 
 from delivery.qmgr.categorize import categorize_pending
-from queues import clock
+from queues.lib import clock
 from queues.models import (
     AuditEntry,
     DeliveryType,

@@ -15,7 +15,7 @@ from delivery.metrics import scrape_registry
 from insight import alerts
 from insight.models import AlertState
 from insight.tasks import refresh
-from queues import clock
+from queues.lib import clock
 from queues.models import Event, Message, Queue
 from tests.support.operator_factories import api_client, make_message, make_queue, make_user
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from queues import clock
+from queues.lib import clock
 from queues.models import (
     Attempt,
     AuditEntry,

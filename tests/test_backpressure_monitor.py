@@ -28,7 +28,7 @@ from delivery.backpressure.engine import (
 from delivery.backpressure.monitor import Monitor
 from delivery.backpressure.samplers import ManualSampler
 from delivery.models import ResourcePressure
-from queues import clock
+from queues.lib import clock
 from queues.models import Event, EventLevel
 from tests.support.operator_factories import api_client, make_user
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from delivery.smtp import classify as c
-from delivery.smtp.classify import Classification, classify, classify_local, parse_enhanced
+from delivery.smtp import retry as c
+from delivery.smtp.retry import Classification, classify, classify_local, parse_enhanced
 
 D, F, OK = c.DEFERRED, c.FAILED, c.DELIVERED
 CONN, MSG, RCPT = c.SCOPE_CONNECTION, c.SCOPE_MESSAGE, c.SCOPE_RECIPIENT

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from django.core.management import CommandError, call_command
 
-from queues import clock
+from queues.lib import clock
 from queues.models import AuditEntry, DeliveryType, Message, Queue, RecipientState
 from tests.support.operator_factories import make_message, make_queue, make_user, rstates
 from tests.support.pipeline import drain

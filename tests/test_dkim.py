@@ -17,8 +17,9 @@ import dns.resolver
 import pytest
 from django.core.management import call_command
 
-from queues import clock, dkim
+from queues import dkim
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import DkimKey, Event, Message, MessageState, Recipient, RecipientState
 from queues.services import accounts, actions
 from tests.support.dns import DNSTestServer

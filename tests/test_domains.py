@@ -1,6 +1,6 @@
 """One form of a domain (issue #9): normalised once at accept, used everywhere.
 
-Unit tables for ``queues.domains``; the parsers that apply it at accept
+Unit tables for ``queues.lib``; the parsers that apply it at accept
 (SMTP paths, pickup, replay) and the settings that are parsed with it; and
 real parts: 553 at RCPT/MAIL over a socket, and a message for
 ``user@ｅｘａｍｐｌｅ.test`` from an untrusted client carried over SMTP,
@@ -23,7 +23,7 @@ from django.core.exceptions import ImproperlyConfigured
 from delivery.pickup.parse import BadFile, PickupLimits, parse_pickup, parse_replay
 from delivery.smtpd import policy
 from queues.accept import recipient_domain
-from queues.domains import DomainError, domain_key, domain_keys, envelope_domain
+from queues.lib import DomainError, domain_key, domain_keys, envelope_domain
 from queues.models import DeliveryType, Message, RecipientState
 from tests.support.pipeline import drain
 

@@ -28,8 +28,9 @@ from django.db.models import Subquery
 from django.test.utils import CaptureQueriesContext
 
 from delivery.qmgr.sweep import sweep
-from queues import bodies, clock
+from queues import bodies
 from queues.bounce import dsn, notify
+from queues.lib import clock
 from queues.models import Message, MessageSource, MessageState, Recipient, RecipientState
 from queues.services import actions
 from queues.services.actions import Via

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from queues.units import format_duration, parse_duration
+from queues.lib import format_duration, parse_duration
 
 S = timedelta(seconds=1)
 M = timedelta(minutes=1)

@@ -18,8 +18,8 @@ from delivery.qmgr.categorize import categorize_pending
 from delivery.smtp import deliver
 from delivery.smtp.outcome import Carried
 from delivery.smtp.types import RecipientResult
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import (
     Attempt,
     AttemptOutcome,

@@ -14,7 +14,7 @@ from delivery.models import ResourcePressure
 from delivery.smtp import retry
 from delivery.smtp.retryschedule import projected_schedule
 from insight.explain import explain_message
-from queues import clock
+from queues.lib import clock
 from queues.models import (
     Attempt,
     LinkState,

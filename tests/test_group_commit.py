@@ -13,7 +13,7 @@ import pytest
 from django.db import OperationalError, connection
 
 from delivery.smtpd import server
-from delivery.smtpd.groupcommit import GroupCommitter
+from delivery.smtpd.server import GroupCommitter
 from queues import accept
 from queues.accept import IncomingEnvelope, IncomingRecipient, messages_accept
 from queues.models import Message, Recipient

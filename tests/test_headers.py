@@ -1,4 +1,4 @@
-"""The one header-block splitter (``queues.headers.header_end``), as the store, the
+"""The one header-block splitter (``queues.lib.header_end``), as the store, the
 viewer and the reports use it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from queues.bounce import dsn
-from queues.headers import header_block, header_end, inspect_headers
+from queues.lib import header_block, header_end, inspect_headers
 
 
 @pytest.mark.parametrize(

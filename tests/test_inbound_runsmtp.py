@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from delivery.smtpd.doorbell import CoalescedBell
-from delivery.smtpd.server import format_address, parse_listen
+from delivery.smtpd.server import CoalescedBell, format_address, parse_listen
 from queues.models import Message
 from tests.support import processes
 

@@ -10,7 +10,7 @@ import pytest
 from insight import deferrals
 from insight.deferrals import error_groups
 from insight.incidents import incidents, registered_domain
-from queues import clock
+from queues.lib import clock
 from queues.models import RecipientState
 from tests.support.operator_factories import (
     api_client,

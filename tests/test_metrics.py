@@ -22,8 +22,8 @@ from delivery.metrics import StoreCollector
 from delivery.models import ResourcePressure
 from delivery.pickup import FolderConfig, FolderWatcher, Outcome
 from delivery.qmgr.sweep import sweep
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import DeliveryType, Message, Queue
 from tests.support.pipeline import drain
 

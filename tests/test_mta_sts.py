@@ -21,9 +21,8 @@ from delivery.smtp import https_fetch, mta_sts
 from delivery.smtp.client import deliver
 from delivery.smtp.tls import plan
 from delivery.smtp.types import BatchResult, NextHop
-from queues import clock
+from queues.lib import clock, seconds
 from queues.models import MtaStsPolicy
-from queues.units import seconds
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate
 

@@ -16,8 +16,8 @@ from datetime import timedelta
 import pytest
 from django.core.management import call_command, get_commands, load_command_class
 
-from queues import clock
 from queues.filters import MESSAGE_FILTERS, QUEUE_FILTERS, MessageFilter, QueueFilter
+from queues.lib import clock
 from queues.models import (
     AuditEntry,
     DeliveryType,

@@ -18,8 +18,8 @@ from delivery.qmgr.categorize import claim_batch as claim_for_categorizer
 from delivery.qmgr.ownership import Claim, while_renewing
 from delivery.qmgr.sweep import reclaim, sweep
 from delivery.smtp.deliver import deliver_link
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import (
     Attempt,
     DeliveryType,

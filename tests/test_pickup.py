@@ -29,8 +29,8 @@ from delivery.pickup import (
     start_pickup,
 )
 from delivery.pickup.parse import normalize_line_endings
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     Event,

@@ -14,8 +14,8 @@ from django.test import Client
 
 from delivery.qmgr.sweep import sweep
 from delivery.smtp.deliver import claim_round
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import (
     Attempt,
     DeliveryType,

@@ -17,9 +17,9 @@ from datetime import timedelta
 import pytest
 from django.core.management import call_command
 
-from queues import clock
 from queues.filters import MessageFilter, QueueFilter
 from queues.holdings import HELD_STATES
+from queues.lib import clock
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from queues import clock
+from queues.lib import clock
 from queues.models import Attempt, LinkState, QueueSample, Recipient, RecipientState
 from tests.support.operator_factories import make_message, make_queue, make_user
 

@@ -9,7 +9,7 @@ import pytest
 from playwright.sync_api import expect
 
 from insight import alerts
-from queues import clock
+from queues.lib import clock
 from queues.models import LinkState, Queue, QueueSample, Recipient, RecipientState
 from tests.support import browser as browser_support
 from tests.support.browser import login, make_user, off_loop

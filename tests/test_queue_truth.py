@@ -17,9 +17,9 @@ from django.db import connection
 from delivery.qmgr.categorize import categorize_pending
 from delivery.qmgr.sweep import _links_with_due_work
 from delivery.smtp.deliver import deliver_link
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.holdings import held_count
+from queues.lib import clock
 from queues.models import (
     AuditEntry,
     DeliveryType,

@@ -11,7 +11,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from queues import clock
+from queues.lib import clock
 from queues.models import (
     AuditEntry,
     DeliveryType,

@@ -14,8 +14,8 @@ import pytest
 
 from delivery.qmgr.sweep import reclaim, sweep
 from delivery.smtp.deliver import claim_round
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import (
     AuditEntry,
     DeliveryType,

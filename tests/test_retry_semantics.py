@@ -16,8 +16,8 @@ from django.core.management import call_command
 
 from delivery.qmgr.sweep import sweep
 from delivery.smtp import retry
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import (
     DeliveryType,
     Event,

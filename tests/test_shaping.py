@@ -23,8 +23,8 @@ from django.core.management import call_command
 from delivery.shaping import gate, limiter, policy
 from delivery.shaping.adaptive import describe, is_throttle
 from delivery.shaping.policy import PolicyError, Rate, parse, parse_rate
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import Attempt, Link, Recipient, RecipientState
 from tests.support import sinks
 from tests.support.pipeline import drain

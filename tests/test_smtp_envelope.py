@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from delivery.smtp import classify as c
+from delivery.smtp import retry as c
 from delivery.smtp.envelope import (
     BAD_RECIPIENT,
     BAD_SENDER,

@@ -15,7 +15,8 @@ from delivery.backpressure import store
 from delivery.backpressure.engine import PressureState, Resource, TarpitConfig
 from delivery.models import ResourcePressure
 from insight.tasks import refresh
-from queues import clock, dkim
+from queues import dkim
+from queues.lib import clock
 from queues.models import AuditEntry, DkimKey, Queue
 from tests.support.operator_factories import make_queue, make_user
 from tests.test_backpressure_monitor import RESOURCES, quiet_samplers

@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from delivery.qmgr.sweep import reclaim, sweep
-from queues import clock
+from queues.lib import clock
 from queues.models import AuditEntry, Event, Message, Queue, Recipient, RecipientState
 from queues.services.actions import (
     ActionInvalid,

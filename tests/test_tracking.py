@@ -15,15 +15,15 @@ from django.db import connection
 from django.test import Client
 
 from delivery.qmgr.sweep import sweep
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import Message, Recipient
 from queues.services import actions
 from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain
 from tracking import eventlog, partitions
 from tracking.models import TrackingEvent
-from tracking.remote_id import remote_queue_id
+from tracking.record import remote_queue_id
 
 pytestmark = pytest.mark.django_db
 

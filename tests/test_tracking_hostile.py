@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from django.test import Client
 
-from queues import clock
+from queues.lib import clock
 from queues.models import Message
 from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain

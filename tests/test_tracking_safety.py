@@ -13,7 +13,7 @@ from django.db import connection
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Message, Recipient, RecipientState
 from tests.support.pipeline import drain
-from tracking import events, hooks, record
+from tracking import events, record
 from tracking.models import TrackingEvent
 
 pytestmark = pytest.mark.django_db
@@ -79,11 +79,11 @@ def _attempt(outcome: str, recipient_id: int = 7) -> Attempt:
 )
 def test_a_round_that_lost_its_claim_reports_no_failure(owned, expected, monkeypatch):
     written: list = []
-    monkeypatch.setattr(hooks, "write", lambda rows, **_: written.extend(rows))
-    from queues import clock
+    monkeypatch.setattr(record, "write", lambda rows, **_: written.extend(rows))
+    from queues.lib import clock
 
     row = SimpleNamespace(state=RecipientState.FAILED, address="b@example.net")
-    hooks.attempted(
+    record.attempted(
         [_attempt("failed")],
         {7: row},
         SimpleNamespace(name="example.net"),

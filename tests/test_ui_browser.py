@@ -22,8 +22,8 @@ import pytest
 from playwright.sync_api import expect
 
 from delivery.qmgr.categorize import categorize_pending
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import Message, MessageState, Queue, Recipient, RecipientState
 from queues.services.counts import queues_recount
 from tests.support import browser as browser_support

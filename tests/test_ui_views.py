@@ -14,8 +14,8 @@ from datetime import timedelta
 import pytest
 from django.urls import reverse
 
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import (
     Attempt,
     AttemptOutcome,

@@ -1,4 +1,4 @@
-"""``queues.units``: the one duration-to-seconds conversion."""
+"""``queues.lib``: the one duration-to-seconds conversion."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from queues.units import seconds
+from queues.lib import seconds
 
 
 @pytest.mark.parametrize(

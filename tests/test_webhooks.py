@@ -17,11 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from django.test import Client
 
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain
-from tracking import endpoints, outbox, record, sender
+from tracking import endpoints, record, sender
 from tracking.models import DeliveryState, TrackingEvent, WebhookAttempt, WebhookDelivery
 
 pytestmark = pytest.mark.django_db
@@ -73,9 +73,9 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture(autouse=True)
 def _fresh_endpoint_cache():
-    outbox.invalidate()
+    record.invalidate()
     yield
-    outbox.invalidate()  # no endpoint of this test's (rolled back) database stays cached
+    record.invalidate()  # no endpoint of this test's (rolled back) database stays cached
 
 
 @pytest.fixture
@@ -236,10 +236,10 @@ def test_a_slow_endpoint_times_out_without_holding_the_others(relay, receiver, s
 
 
 def test_without_endpoints_an_event_costs_no_query(django_assert_num_queries):
-    outbox.endpoints()  # the cache is filled once
+    record.endpoints()  # the cache is filled once
     rows = [record.new("delivered", clock.now(), qid="Q1")]
     with django_assert_num_queries(0):
-        assert outbox.enqueue(rows) == 0
+        assert record.enqueue(rows) == 0
 
 
 def test_operator_actions_reach_the_endpoints_that_want_them(receiver):
@@ -285,7 +285,7 @@ def test_endpoints_are_managed_by_admins_through_the_api():
         f"/api/v1/webhooks/{data['id']}/", {"enabled": False}, content_type="application/json"
     )
     assert changed.status_code == 200 and changed.json()["enabled"] is False
-    assert outbox.endpoints() == []  # a disabled endpoint gets nothing
+    assert record.endpoints() == []  # a disabled endpoint gets nothing
     assert admin.delete(f"/api/v1/webhooks/{data['id']}/").status_code == 204
     from queues.models import AuditEntry
 
@@ -302,7 +302,7 @@ def test_endpoints_are_managed_by_admins_through_the_api():
 
 @pytest.mark.django_db(transaction=True)  # the foreign key is checked at a real COMMIT
 def test_an_endpoint_deleted_while_mail_flows_costs_no_delivery_record(relay, receiver):
-    """The delivery process still has the endpoint cached (outbox.CONFIG_TTL) when
+    """The delivery process still has the endpoint cached (record.CONFIG_TTL) when
     an operator deletes it: the round's webhook rows must not fail its commit
     (the message would be sent again ~36 s later and be missing from tracking)."""
     from queues.models import Message, MessageState, Recipient, RecipientState
@@ -312,10 +312,10 @@ def test_an_endpoint_deleted_while_mail_flows_costs_no_delivery_record(relay, re
     )
     accept("bob@example.net")
     drain()
-    assert outbox.endpoints()  # cached in this process, as in a delivery worker
+    assert record.endpoints()  # cached in this process, as in a delivery worker
     endpoints.delete("root", "api", endpoint)
-    outbox._config = (
-        time.monotonic() + outbox.CONFIG_TTL,
+    record._config = (
+        time.monotonic() + record.CONFIG_TTL,
         [(endpoint.pk, frozenset({"delivered"}))],
     )
     accept("carol@example.net")

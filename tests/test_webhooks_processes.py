@@ -9,11 +9,11 @@ import json
 import pytest
 from django.db.models import Count
 
-from queues import clock
+from queues.lib import clock
 from tests.support.sinks import find_free_port
 from tests.test_system import body, wait_until
 from tests.test_webhooks import SECRET, Receiver, verify
-from tracking import endpoints, outbox
+from tracking import endpoints, record
 from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
 pytestmark = [pytest.mark.system, pytest.mark.django_db(transaction=True)]
@@ -58,7 +58,7 @@ def test_mail_flows_while_the_endpoint_is_down_and_its_events_arrive_later(
         # Thirty seconds on: the endpoint's rest is over, beat's ring comes.
         WebhookEndpoint.objects.update(down_until=clock.now())
         WebhookDelivery.objects.update(next_attempt_at=clock.now())
-        outbox.ring()
+        record.ring()
         with receiver.arrived:
             assert receiver.arrived.wait_for(lambda: len(receiver.requests) >= 6, timeout=20), (
                 "\n".join(webhooks.lines[-30:])

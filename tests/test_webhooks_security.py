@@ -16,12 +16,12 @@ import pytest
 from django.apps import apps as django_apps
 from django.test import Client
 
-from queues import clock
+from queues.lib import clock
 from queues.models import AuditEntry
 from tests.support.operator_factories import make_user
 from tests.test_webhook_sender import pending
 from tests.test_webhooks import Receiver, free_port
-from tracking import endpoints, outbox, sender
+from tracking import endpoints, record, sender
 from tracking.models import DeliveryState, WebhookAttempt, WebhookEndpoint
 
 pytestmark = pytest.mark.django_db
@@ -29,9 +29,9 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def _fresh_endpoint_cache():
-    outbox.invalidate()
+    record.invalidate()
     yield
-    outbox.invalidate()
+    record.invalidate()
 
 
 @pytest.fixture

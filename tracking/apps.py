@@ -14,12 +14,12 @@ class TrackingConfig(AppConfig):
         from queues import signals
         from queues.bounce.notify import dsn_sent
         from queues.models import AuditEntry
-        from tracking import hooks
+        from tracking import record
 
-        signals.recipients_placed.connect(hooks.on_placed, dispatch_uid="tracking.placed")
+        signals.recipients_placed.connect(record.on_placed, dispatch_uid="tracking.placed")
         signals.attempts_recorded.connect(
-            hooks.on_attempts_recorded, dispatch_uid="tracking.attempted"
+            record.on_attempts_recorded, dispatch_uid="tracking.attempted"
         )
-        signals.recipients_expired.connect(hooks.on_expired, dispatch_uid="tracking.expired")
-        post_save.connect(hooks.on_audit, sender=AuditEntry, dispatch_uid="tracking.audit")
-        dsn_sent.connect(hooks.on_dsn_sent, dispatch_uid="tracking.dsn_sent")
+        signals.recipients_expired.connect(record.on_expired, dispatch_uid="tracking.expired")
+        post_save.connect(record.on_audit, sender=AuditEntry, dispatch_uid="tracking.audit")
+        dsn_sent.connect(record.on_dsn_sent, dispatch_uid="tracking.dsn_sent")

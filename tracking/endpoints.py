@@ -14,9 +14,9 @@ import idna
 from django.conf import settings
 from django.db import transaction
 
-from queues import clock
+from queues.lib import clock
 from queues.models import AuditEntry
-from tracking import outbox, redact
+from tracking import record, redact
 from tracking.events import WEBHOOK_EVENTS
 from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
@@ -241,7 +241,7 @@ def create(
         updated_at=now,
     )
     _audit(actor, via, "webhook_create", endpoint)
-    outbox.invalidate()
+    record.invalidate()
     return endpoint
 
 
@@ -256,7 +256,7 @@ def update(actor, via: str, endpoint: WebhookEndpoint, **changes) -> WebhookEndp
     endpoint.updated_at = clock.now()
     endpoint.save()
     _audit(actor, via, "webhook_update", endpoint)
-    outbox.invalidate()
+    record.invalidate()
     return endpoint
 
 
@@ -266,20 +266,20 @@ def rotate_secret(actor, via: str, endpoint: WebhookEndpoint) -> str:
     endpoint.updated_at = clock.now()
     endpoint.save(update_fields=["secret", "updated_at"])
     _audit(actor, via, "webhook_rotate_secret", endpoint)
-    outbox.invalidate()
+    record.invalidate()
     return endpoint.secret
 
 
 def delete(actor, via: str, endpoint: WebhookEndpoint) -> None:
     """Delete ``endpoint`` and its deliveries. Its row is locked first: a delivery
-    round that is queuing webhooks for it (``outbox.enqueue`` holds the row FOR
+    round that is queuing webhooks for it (``record.enqueue`` holds the row FOR
     KEY SHARE) commits first, and no new delivery row can follow once the
     lock is ours, so neither side's commit fails on the foreign key."""
     with transaction.atomic():
         list(WebhookEndpoint.objects.select_for_update().filter(pk=endpoint.pk).values_list("pk"))
         _audit(actor, via, "webhook_delete", endpoint)
         endpoint.delete()
-    outbox.invalidate()
+    record.invalidate()
 
 
 def recent(endpoint: WebhookEndpoint, limit: int = 50) -> dict:

@@ -1,5 +1,9 @@
-"""Write tracking rows: one INSERT per batch, the webhook outbox rows in the same
-transaction, the event-log lines after its commit.
+"""What the store's facts become: tracking rows, one INSERT per batch, the webhook
+outbox rows in the same transaction, the event-log lines after its commit.
+
+The store's signals (``recipients_placed``, ``attempts_recorded``, ...;
+``tracking.apps`` connects them) reach the hooks at the end of this module,
+which build the rows and write them here.
 
 Rows are plain slotted objects inserted with one hand-written statement:
 Django model instances and ``bulk_create`` preparing each of their 23
@@ -11,17 +15,25 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from celery import current_app
 from django.db import DatabaseError, connection, transaction
 
-from queues.bulk import insert_json
-from queues.text import scrub_nul
-from tracking import eventlog, outbox
+from queues.bulk import insert_json, jsonb_payload, jsonb_rows
+from queues.lib import clock, scrub_nul
+from queues.models import AuditEntry, DeliveryType, Link, Message, Queue, RecipientState
+from queues.signals import PLACED_FACTS
+from tracking import eventlog, events
+from tracking.events import webhook_type
+from tracking.models import WebhookDelivery, WebhookEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +149,7 @@ def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
         return
     if not own_savepoint:
         insert(rows)
-        outbox.enqueue(rows)
+        enqueue(rows)
         eventlog.after_commit(rows)
         return
     # In a savepoint of its own: a tracking row that cannot be written (a lock
@@ -147,7 +159,7 @@ def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
     try:
         with transaction.atomic():
             insert(rows)
-            outbox.enqueue(rows)
+            enqueue(rows)
     except DatabaseError as exc:
         if len(rows) == 1 or _transient(exc):
             log.exception(
@@ -174,8 +186,457 @@ def _write_one(row: Row) -> bool:
     try:
         with transaction.atomic():
             insert([row])
-            outbox.enqueue([row])
+            enqueue([row])
     except DatabaseError:
         log.exception("could not write the tracking row %s %s", row.event, row.qid)
         return False
     return True
+
+
+# ----------------------------------------------------------------------------
+# The webhook outbox: one row per event and endpoint that wants it, written in
+# the transaction of the event; the broker only rings for the sender.
+#
+# The enabled endpoints and the event types they want are read at most every
+# ``CONFIG_TTL`` seconds per process: with no endpoint, an event costs no query.
+# ----------------------------------------------------------------------------
+
+
+SEND_WEBHOOKS = "tracking.tasks.send_webhooks"  # routed to the queue ``webhooks``
+
+
+CONFIG_TTL = 10.0  # seconds: an endpoint change reaches every process within this
+
+_config_lock = threading.Lock()
+_config: tuple[float, list[tuple[int, frozenset[str]]]] = (0.0, [])
+
+
+def endpoints() -> list[tuple[int, frozenset[str]]]:
+    """(id, wanted event types) of the enabled endpoints, cached for CONFIG_TTL."""
+    global _config
+    expires, value = _config
+    if time.monotonic() < expires:
+        return value
+    value = [
+        (pk, frozenset(wanted))
+        for pk, wanted in WebhookEndpoint.objects.filter(enabled=True).values_list("id", "events")
+    ]
+    with _config_lock:
+        _config = (time.monotonic() + CONFIG_TTL, value)
+    return value
+
+
+def invalidate() -> None:
+    """Read the endpoints again at the next event (an endpoint changed in this process)."""
+    global _config
+    with _config_lock:
+        _config = (0.0, [])
+
+
+def payload(row: Any, event_type: str) -> dict[str, Any]:
+    """The JSON body of a webhook (docs/webhooks.md)."""
+    return {
+        "id": str(row.event_id),
+        "type": event_type,
+        "created": row.at.isoformat().replace("+00:00", "Z"),
+        "qid": row.qid,
+        "message_id": row.message_id,
+        "sender": row.sender,
+        "recipient": row.recipient,
+        "reply": row.reply,
+        "code": row.code,
+        "enhanced": row.enhanced,
+        "remote_id": row.remote_id,
+        "host": row.host,
+        "ip": row.ip,
+        "queue": row.queue,
+        "next_hop": row.next_hop,
+        "actor": row.actor,
+        "detail": row.detail,
+    }
+
+
+def body(row: Any, event_type: str) -> str:
+    return json.dumps(payload(row, event_type), separators=(",", ":"), ensure_ascii=False)
+
+
+TABLE = WebhookDelivery._meta.db_table
+ENDPOINTS = WebhookEndpoint._meta.db_table
+# As tracking.record: the batch as one JSON parameter on PostgreSQL. Only for
+# endpoints that still exist, each locked against deletion (FOR KEY SHARE) until
+# this transaction ends: an endpoint deleted while mail flows (this process may
+# still have it cached) never fails the commit of a delivery round — the
+# foreign key is checked at COMMIT, so a row for a deleted endpoint would
+# undo the whole round. ``endpoints.delete`` takes the row lock first.
+PG_INSERT = (
+    f"INSERT INTO {TABLE} (endpoint_id, event_id, event, body, state, created_at, "
+    "next_attempt_at, attempts, lease_owner, last_error) "
+    "SELECT x.endpoint_id, x.event_id, x.event, x.body, 'pending', %s, %s, 0, '', '' "
+    "FROM "
+    + jsonb_rows(
+        "x", [("endpoint_id", "bigint"), ("event_id", "uuid"), ("event", "text"), ("body", "text")]
+    )
+    + f" JOIN {ENDPOINTS} e ON e.id = x.endpoint_id FOR KEY SHARE OF e"
+)
+# SQLite serialises writers: a row only for an endpoint that exists now.
+OUTBOX_SQLITE_INSERT = (
+    f"INSERT INTO {TABLE} (endpoint_id, event_id, event, body, state, created_at, "
+    "next_attempt_at, attempts, lease_owner, last_error) "
+    "SELECT %s, %s, %s, %s, 'pending', %s, %s, 0, '', '' "
+    f"WHERE EXISTS (SELECT 1 FROM {ENDPOINTS} WHERE id = %s)"
+)
+
+
+def enqueue(rows: Sequence[Any]) -> int:
+    """Outbox rows for the events an enabled endpoint wants (caller's transaction,
+    one INSERT); after commit, ring the sender. Returns how many were queued."""
+    wanted = endpoints()
+    if not wanted:
+        return 0
+    out: list[tuple[int, Any, str, str]] = []
+    for row in rows:
+        event_type = webhook_type(row.event, row.detail)
+        text = None
+        for endpoint_id, types in wanted:
+            if event_type in types:
+                text = text or body(row, event_type)
+                out.append((endpoint_id, row.event_id, event_type, text))
+    if not out:
+        return 0
+    now = clock.now()
+    with connection.cursor() as cur:
+        if connection.vendor == "postgresql":
+            batch = [
+                {"endpoint_id": e, "event_id": str(i), "event": t, "body": b} for e, i, t, b in out
+            ]
+            cur.execute(PG_INSERT, [now, now, jsonb_payload(batch)])
+        else:
+            when = connection.ops.adapt_datetimefield_value(now)
+            cur.executemany(
+                OUTBOX_SQLITE_INSERT, [(e, i.hex, t, b, when, when, e) for e, i, t, b in out]
+            )
+    transaction.on_commit(ring)
+    return len(out)
+
+
+def ring() -> None:
+    """Tell a webhook worker there is work (a lost ring costs latency: beat rings too).
+    By task name: the outbox imports nothing of the tasks that import it."""
+    try:
+        current_app.send_task(SEND_WEBHOOKS)
+    except Exception:  # noqa: BLE001 - beat's webhook_sweep finds the work
+        log.warning("could not ring the webhook sender; beat will", exc_info=True)
+
+
+# ----------------------------------------------------------------------------
+# The receivers that record a message's life, from the queue store's signals
+# (connected in tracking.apps; the engine and the store import nothing of this app).
+#
+# Each takes what the sender already holds and writes a batch of tracking rows
+# with at most one SELECT (the messages' envelope facts) and one INSERT, in the
+# sender's transaction (tracking.record):
+#
+# - ``placed`` (signal ``recipients_placed``): the categorizer placed a batch
+#   (``received`` once per message on its first categorization, ``routed`` /
+#   ``failed`` / ``deferred`` per recipient);
+# - ``attempted`` (``attempts_recorded``): a delivery round's results (one row
+#   per attempt: ``delivered`` with the remote queue id, ``deferred`` or
+#   ``failed``);
+# - ``expired`` (``recipients_expired``): the sweep expired recipients;
+# - ``on_dsn_sent``: a DSN was queued (signal of queues.bounce.notify);
+# - ``on_audit``: an operator action (post_save of queues.models.AuditEntry).
+# ----------------------------------------------------------------------------
+
+
+_FACTS = ("id", "qid", "mail_from", "message_id")
+
+
+def _facts(message_ids: Iterable[int]) -> dict[int, tuple[str, str, str]]:
+    """qid, sender and Message-ID of each message (one SELECT)."""
+    return {
+        mid: (qid, sender, msgid)
+        for mid, qid, sender, msgid in Message.objects.filter(id__any=set(message_ids)).values_list(
+            *_FACTS
+        )
+    }
+
+
+def _message_fields(facts: Mapping[int, tuple[str, str, str]], mid: int) -> dict[str, Any]:
+    qid, sender, msgid = facts.get(mid, ("", "", ""))
+    return {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
+
+
+def placed(
+    placements: Mapping[str, Any], now: datetime, facts: Mapping[int, tuple] | None = None
+) -> None:
+    """After the categorizer decided a batch (queues.signals.recipients_placed).
+
+    ``placements`` maps a domain to its decision: ``recipient_ids`` and either
+    ``route`` (queue_name, link_name) or ``error`` (permanent, enhanced, text).
+    ``facts``: the PLACED_FACTS of the recipients by id, when the caller has
+    them (else one SELECT).
+    """
+    by_id: dict[int, tuple[str, Any]] = {}
+    for domain, placement in placements.items():
+        for rid in placement.recipient_ids:
+            by_id[rid] = (domain, placement)
+    if not by_id:
+        return
+    if facts is not None and all(rid in facts for rid in by_id):
+        recipients = [facts[rid] for rid in by_id]
+    else:
+        from queues.models import Recipient
+
+        recipients = list(Recipient.objects.filter(id__any=list(by_id)).values_list(*PLACED_FACTS))
+    rows = []
+    seen: set[int] = set()
+    for rid, address, mid, qid, sender, msgid, client, account, size, rcvd, nxt, src in recipients:
+        common = {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
+        # Received once: at the first categorization, the message is due at its arrival.
+        if mid not in seen and nxt == rcvd:
+            seen.add(mid)
+            rows.append(
+                new(
+                    events.RECEIVED,
+                    rcvd,
+                    client=client or "",
+                    account=account,
+                    size=size,
+                    detail={"source": src},
+                    **common,
+                )
+            )
+        domain, placement = by_id[rid]
+        if placement.route is not None:
+            rows.append(
+                new(
+                    events.ROUTED,
+                    now,
+                    recipient=address,
+                    queue=placement.route.queue_name,
+                    next_hop=placement.route.link_name,
+                    **common,
+                )
+            )
+            continue
+        error = placement.error
+        code = 550 if error.permanent else 451
+        rows.append(
+            new(
+                events.FAILED if error.permanent else events.DEFERRED,
+                now,
+                recipient=address,
+                host=domain,
+                code=code,
+                enhanced=error.enhanced,
+                reply=f"{code} {error.enhanced} {error.text}",
+                queue=(
+                    DeliveryType.DEAD_LETTER if error.permanent else DeliveryType.UNREACHABLE
+                ).label,
+                detail={"phase": "route"},
+                **common,
+            )
+        )
+    write(rows)
+
+
+def _tls(attempt: Any) -> str:
+    if not attempt.tls_version:
+        return ""
+    verified = attempt.tls_verified if attempt.tls_verified not in ("", "none") else "unverified"
+    return f"{attempt.tls_version} {attempt.tls_cipher} {verified}".strip()[:160]
+
+
+def attempted(
+    attempts: list[Any],
+    rows: Mapping[int, Any],
+    link: Link,
+    now: datetime,
+    facts: Mapping[int, tuple[str, str, str]] | None = None,
+    owned: Container[int] | None = None,
+    own_savepoint: bool = True,
+) -> None:
+    """After a delivery round wrote its attempts (queues.signals.attempts_recorded):
+    ``attempts`` are its queues.models.Attempt objects, ``rows`` the round's
+    recipients by id with their new state, ``owned`` the ids of those it could
+    still write (None: all); ``facts``: qid, sender and
+    Message-ID by message id when the caller has them (else one SELECT);
+    ``own_savepoint`` False: a failed write may roll the caller's transaction
+    back (it records another way then; tracking.record.write)."""
+    if not attempts:
+        return
+    if facts is None or any(a.message_id not in facts for a in attempts):
+        facts = _facts(a.message_id for a in attempts)
+    out = []
+    for a in attempts:
+        row = rows.get(a.recipient_id)
+        state = getattr(row, "state", None)
+        if owned is not None and a.recipient_id not in owned:
+            state = None
+        if a.outcome == "delivered":
+            event = events.DELIVERED
+        elif state == RecipientState.FAILED:
+            event = events.FAILED
+        else:
+            # Deferred; or the round lost its claim before recording (``row`` is
+            # None): the recipient waits for its new owner, not failed.
+            event = events.DEFERRED
+        reply = " ".join(str(p) for p in (a.code or "", a.enhanced, a.text) if p)
+        out.append(
+            new(
+                event,
+                a.started_at or now,
+                recipient=getattr(row, "address", ""),
+                next_hop=link.name,
+                host=a.host,
+                ip=a.ip,
+                tls=_tls(a),
+                code=a.code,
+                enhanced=a.enhanced,
+                reply=reply,
+                remote_id=remote_queue_id(a.text) if event == events.DELIVERED else "",
+                detail={"phase": a.phase, "duration_ms": a.duration_ms}
+                | ({"auth": a.auth_used} if a.auth_used else {})
+                | (
+                    {"retry_timeout": True}
+                    if event == events.FAILED and a.outcome != "failed"
+                    else {}
+                ),
+                **_message_fields(facts, a.message_id),
+            )
+        )
+    write(out, own_savepoint=own_savepoint)
+
+
+def expired(recipients: list[Any], now: datetime, reason: str) -> None:
+    """After the sweep expired ``recipients`` (queues.signals.recipients_expired)."""
+    facts = _facts(r.message_id for r in recipients)
+    write(
+        [
+            new(
+                events.EXPIRED,
+                now,
+                recipient=r.address,
+                queue=DeliveryType.DEAD_LETTER.label,  # the queue's name (special_queue)
+                reply=reason,
+                **_message_fields(facts, r.message_id),
+            )
+            for r in recipients
+        ]
+    )
+
+
+def on_placed(sender: object, **kwargs: Any) -> None:
+    """queues.signals.recipients_placed: ``placed``."""
+    placed(kwargs["placements"], kwargs["now"], kwargs.get("facts"))
+
+
+def on_attempts_recorded(sender: object, **kwargs: Any) -> None:
+    """queues.signals.attempts_recorded: ``attempted``."""
+    attempted(
+        kwargs["attempts"],
+        kwargs["rows"],
+        kwargs["link"],
+        kwargs["now"],
+        kwargs.get("facts"),
+        owned=kwargs.get("owned"),
+        own_savepoint=kwargs.get("own_savepoint", True),
+    )
+
+
+def on_expired(sender: object, **kwargs: Any) -> None:
+    """queues.signals.recipients_expired: ``expired``."""
+    expired(kwargs["recipients"], kwargs["now"], kwargs["reason"])
+
+
+def on_dsn_sent(
+    sender: object,
+    kind: str,
+    message: Message,
+    recipients: list[Any],
+    report: Message | None,
+    now: datetime,
+    **kwargs: object,
+) -> None:
+    """A DSN about ``recipients`` of ``message`` was queued (queues.bounce.notify)."""
+    fields = {
+        "message_pk": message.pk,
+        "qid": message.qid,
+        "sender": message.mail_from,
+        "message_id": message.message_id,
+    }
+    detail = {"kind": kind, "dsn_qid": report.qid if report is not None else ""}
+    write(
+        [
+            new(events.DSN_SENT, now, recipient=r.address, detail=detail, **fields)
+            for r in recipients
+        ]
+    )
+
+
+OPERATOR_TARGETS = ("message", "queue", "link")
+CHUNK = 2000
+
+
+def on_audit(sender: object, instance: AuditEntry, created: bool, **kwargs: object) -> None:
+    """An operator action: one row per message (or queue, link) it changed or
+    names, else one row."""
+    if not created or instance.target_type not in OPERATOR_TARGETS:
+        return
+    entry = instance
+    detail: dict[str, Any] = {"action": entry.action, "via": entry.via, "count": entry.count}
+    if entry.detail:
+        detail["text"] = entry.detail
+    if entry.filter:
+        detail["filter"] = entry.filter
+    common = {"actor": entry.actor_name, "detail": detail}
+    # The rows it changed when the action said (a bulk action by filter, or ids
+    # of which some were skipped), else the ids it was given.
+    ids = list(getattr(entry, "changed_ids", None) or entry.target_ids or [])
+    if not ids:
+        write([new(events.OPERATOR, entry.created_at, **common)])
+        return
+    for start in range(0, len(ids), CHUNK):
+        chunk = ids[start : start + CHUNK]
+        if entry.target_type == "message":
+            facts = _facts(chunk)
+            rows = [
+                new(events.OPERATOR, entry.created_at, **_message_fields(facts, mid), **common)
+                for mid in chunk
+            ]
+        else:
+            model = Queue if entry.target_type == "queue" else Link
+            names = dict(model.objects.filter(id__in=chunk).values_list("id", "name"))
+            field = "queue" if entry.target_type == "queue" else "next_hop"
+            rows = [
+                new(events.OPERATOR, entry.created_at, **{field: names.get(i, str(i))}, **common)
+                for i in chunk
+            ]
+        write(rows)
+
+
+# ----------------------------------------------------------------------------
+# The next hop's own queue id, read from its reply to the end of data.
+# ----------------------------------------------------------------------------
+
+
+# Most specific first; each captures the id (sizes bounded: a reply is text from a peer).
+_PATTERNS = (
+    re.compile(r"queued as\s+<?([A-Za-z0-9][A-Za-z0-9._@\-]{0,98})>?", re.I),  # Postfix
+    re.compile(r"\bid=([A-Za-z0-9][A-Za-z0-9._\-]{0,98})", re.I),  # Exim "OK id=1kAbc-000123-AB"
+    re.compile(r"\bInternalId=(\d{1,40})", re.I),  # Exchange
+    re.compile(r"(\S{1,99}) - gsmtp\s*$"),  # Gmail "OK  1700000000 a1-20020a...- gsmtp"
+    re.compile(
+        r"^\s*(?:\d\.\d{1,3}\.\d{1,3}\s+)?([A-Za-z0-9]{8,40}) Message accepted for delivery", re.I
+    ),  # Sendmail
+    re.compile(r"\bqueued (?:with id|as id)\s+([A-Za-z0-9][A-Za-z0-9._\-]{0,98})", re.I),
+)
+
+
+def remote_queue_id(reply: str) -> str:
+    """``"250 2.0.0 Ok: queued as 4Xyz"`` → ``"4Xyz"``; ``""`` when the reply names none."""
+    for pattern in _PATTERNS:
+        match = pattern.search(reply)
+        if match:
+            return match[1].rstrip(".")[:100]
+    return ""

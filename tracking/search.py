@@ -18,8 +18,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.functions import MD5, Lower
 from django.utils.dateparse import parse_datetime
 
-from queues import clock
-from queues.units import parse_duration
+from queues.lib import clock, parse_duration
 from tracking.events import RECEIVED, TRACKING_EVENTS
 from tracking.models import TrackingEvent
 

@@ -38,7 +38,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, F, Q, TextField, Value, When
 
-from queues import clock
+from queues.lib import clock
 from queues.transitions import new_owner
 from tracking import signing
 from tracking.endpoints import EndpointError, is_public, normalize_url, resolve

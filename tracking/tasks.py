@@ -11,7 +11,7 @@ import time
 from celery import shared_task
 from django.conf import settings
 
-from queues import clock
+from queues.lib import clock
 from tracking import partitions, sender
 
 SLICE_SECONDS = 60

@@ -19,7 +19,7 @@ from delivery.backpressure.engine import (
     Transition,
 )
 from delivery.models import ResourcePressure
-from queues import clock
+from queues.lib import clock
 from queues.models import Event, EventLevel
 
 EVENT_KIND = "backpressure"

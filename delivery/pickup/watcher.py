@@ -46,8 +46,9 @@ from delivery.pickup.parse import (
     parse_pickup,
     parse_replay,
 )
-from queues import clock, counters
+from queues import counters
 from queues.accept import message_accept
+from queues.lib import clock
 from queues.models import Event, EventLevel
 
 log = logging.getLogger(__name__)
@@ -511,7 +512,7 @@ def start_pickup(
     left alone; polling resumes by itself. With no folder configured the
     service does nothing.
     """
-    from delivery.smtpd.dbthreads import DatabaseExecutor  # its threads close their connections
+    from delivery.smtpd.server import DatabaseExecutor  # its threads close their connections
 
     loop = loop or asyncio.get_running_loop()
     folders = configured_folders() if folders is None else folders

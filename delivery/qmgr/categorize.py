@@ -18,10 +18,11 @@ from delivery.qmgr.ownership import Claim, while_connected
 from delivery.route.routing import Router
 from delivery.smtp import retry
 from delivery.smtp.types import Route, RouteError
-from queues import clock, counters, transitions
+from queues import counters, transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
 from queues.dberrors import is_outage
+from queues.lib import clock
 from queues.models import (
     Attempt,
     AttemptOutcome,

@@ -47,8 +47,8 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from delivery.outage import OUTAGE
-from queues import clock
 from queues.dberrors import drop_connection, is_outage
+from queues.lib import clock
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
 from delivery.qmgr import bell
-from queues import clock, counters
+from queues import counters
 from queues.bounce import dsn
 from queues.bounce.notify import notify
+from queues.lib import clock
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     DeliveryType,

@@ -18,7 +18,7 @@ import dns.nameserver
 import dns.resolver
 from django.conf import settings
 
-from queues.units import seconds
+from queues.lib import seconds
 
 DNS_PORT = 53
 # dnspython retransmits a UDP query after this long when a server stays silent;

@@ -39,7 +39,7 @@ from django.conf import settings
 
 from delivery.route.dns import make_resolver, parse_nameserver
 from delivery.smtp.types import NextHop, Route, RouteError
-from queues import domains
+from queues import lib
 from queues.services.reroute import NextHopRoute
 
 # queues.models.DeliveryType values (kept as strings: routing does not import models)
@@ -165,8 +165,8 @@ def _parse_transport_key(key: str, entry: str) -> str:
             ".example.com for its subdomains)"
         )
     try:
-        name = domains.domain_key(bare)
-    except domains.DomainError as exc:
+        name = lib.domain_key(bare)
+    except lib.DomainError as exc:
         raise ValueError(f"transport {entry!r}: {key!r} is not a domain ({exc})") from None
     return "." + name if subdomains else name
 
@@ -178,7 +178,7 @@ def parse_transports(text: str, default_port: int | None = None) -> dict[str, tu
     example.com exactly and (through the leading dot) every subdomain of
     example.com, Postfix style. Entries may also be on separate lines.
     Returns ``{key: hops}`` with keys in the one form of a domain
-    (``queues.domains``: lower-case A-labels, leading dot kept). Raises
+    (``queues.lib``: lower-case A-labels, leading dot kept). Raises
     ValueError naming the bad entry: no ``=``, a bad domain, a bad next hop,
     or a domain given twice (in any of its forms).
     """
@@ -472,8 +472,8 @@ def _route_name(domain: str) -> str:
     if not text:
         raise RouteError("empty recipient domain", permanent=True, enhanced=BAD_SYNTAX)
     try:
-        return domains.domain_key(text)
-    except domains.DomainError as exc:
+        return lib.domain_key(text)
+    except lib.DomainError as exc:
         raise RouteError(
             f"{text} is not a valid domain name ({exc})", permanent=True, enhanced=BAD_SYNTAX
         ) from None

@@ -36,7 +36,7 @@ from delivery.shaping.limiter import Grant, Limiter, limiter, warn_unavailable
 from delivery.shaping.policy import Entry, Policy
 from delivery.smtp.connection import ClientConfig
 from delivery.smtp.types import BatchResult, OutboundMessage
-from queues import clock
+from queues.lib import clock
 from queues.models import Link, Queue
 
 log = logging.getLogger(__name__)

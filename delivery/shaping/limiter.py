@@ -15,7 +15,7 @@ entry, which limits each next hop on its own) lives under
   (one per scope: the link it wakes rings the other waiters when it is done).
 
 Each step is one Lua script, so workers on any host see one consistent
-state; the time comes from the caller (``queues.clock``: hosts keep their
+state; the time comes from the caller (``queues.lib.clock``: hosts keep their
 clocks in sync, as the database leases need already).
 """
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from queues.units import parse_duration
+from queues.lib import parse_duration
 
 log = logging.getLogger(__name__)
 

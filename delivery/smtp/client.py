@@ -23,7 +23,7 @@ final dot (a transaction abandoned after 354 is closed without the dot, so
 the next hop has nothing to deliver).
 
 The client never raises for network problems: every exception becomes a
-``RecipientResult`` (see ``delivery.smtp.classify`` for how replies are judged).
+``RecipientResult`` (see ``delivery.smtp.retry`` for how replies are judged).
 
 This module runs a round's batch (``deliver``, ``_Batch``): messages split
 into groups, one connection per group, targets walked in order, failures
@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from delivery.smtp import classify as c
+from delivery.smtp import retry as c
 from delivery.smtp.connection import (
     IMPLICIT_TLS_PORT,
     READ_LIMIT,
@@ -55,7 +55,7 @@ from delivery.smtp.connection import (
     SessionFailed,
     discard,
 )
-from delivery.smtp.recorder import Recorder, Security
+from delivery.smtp.outcome import Recorder, Security
 from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
 from delivery.smtp.tls import MAY, TLS_REQUIRED, TlsRequirement
 from delivery.smtp.tlscontext import context_for, sni
@@ -66,7 +66,7 @@ from delivery.smtp.types import (
     Peer,
     RecipientResult,
 )
-from queues import clock
+from queues.lib import clock
 
 log = logging.getLogger(__name__)
 

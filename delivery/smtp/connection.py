@@ -23,9 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from delivery.smtp import classify as c
 from delivery.smtp import dane, mta_sts
-from delivery.smtp.auth import Credentials
+from delivery.smtp import retry as c
 from delivery.smtp.envelope import (
     BAD_RECIPIENT,
     DATA_LINE,
@@ -34,16 +33,16 @@ from delivery.smtp.envelope import (
     build_envelope,
     sender_refusal,
 )
-from delivery.smtp.recorder import Recorder, Security
+from delivery.smtp.outcome import Recorder, Security
 from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
-from delivery.smtp.tls import TLS_REQUIRED, TlsRequirement
+from delivery.smtp.tls import TLS_REQUIRED, Credentials, TlsRequirement
 from delivery.smtp.tlscontext import client_context, peer_chain, sni
 from delivery.smtp.types import (
     OutboundMessage,
     OutboundRecipient,
     Peer,
 )
-from queues.units import seconds
+from queues.lib import seconds
 
 log = logging.getLogger(__name__)
 

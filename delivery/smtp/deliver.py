@@ -40,12 +40,13 @@ from delivery.smtp.types import (
     OutboundRecipient,
     RecipientResult,
 )
-from queues import clock, counters
+from queues import counters
 from queues.bounce import dsn
 from queues.bounce import rule as dsn_rule
 from queues.bounce.notify import notify
 from queues.bulk import field_columns, insert_json, pipelined
 from queues.dberrors import is_outage
+from queues.lib import clock, scrub_nul
 from queues.models import (
     Attempt,
     AttemptOutcome,
@@ -59,7 +60,6 @@ from queues.models import (
 from queues.outcomes import Delivered
 from queues.placement import special_queue
 from queues.signals import attempts_recorded
-from queues.text import scrub_nul
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from delivery.smtp import classify as c
+from delivery.smtp import retry as c
 from delivery.smtp.types import OutboundMessage, OutboundRecipient
-from queues.headers import header_end
+from queues.lib import header_end
 
 CRLF = b"\r\n"
 DATA_LINE = b"DATA\r\n"

@@ -41,7 +41,7 @@ import dns.resolver
 from django.conf import settings
 
 from delivery.smtp import https_fetch
-from queues.units import seconds
+from queues.lib import seconds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -7,19 +7,31 @@ delivery.smtp.retry) and what else the round owes: its Attempt rows, the
 NDRs and "relayed" reports (the NOTIFY rule, queues.bounce.rule), the retry
 data to store or clear. ``delivery.smtp.deliver`` writes it through the
 store's transitions, in one transaction.
+
+The ``Recorder`` (below) collects the exchange's per-recipient results as the
+connections report them, each classified and stamped with its target.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from delivery.smtp import retry
-from delivery.smtp.types import BatchResult, OutboundMessage, RecipientResult
-from queues import clock
+from delivery.smtp.envelope import Refusal
+from delivery.smtp.types import (
+    BatchResult,
+    OutboundMessage,
+    OutboundRecipient,
+    Peer,
+    RecipientResult,
+)
 from queues.bounce import rule as dsn_rule
+from queues.lib import clock
 from queues.models import Attempt, AttemptOutcome, AttemptPhase, Link, Recipient
 from queues.outcomes import Delivered, LinkOutcome, RecipientOutcome, RoundOutcome, Verdict
 
@@ -279,3 +291,116 @@ def tls_summary(attempts: list[Attempt] | list[RecipientResult]) -> str:
     if a.auth_used:
         text += f", AUTH {a.auth_used}"
     return text[:120]
+
+
+# ----------------------------------------------------------------------------
+# The results of one message on one target: one ``RecipientResult`` per recipient.
+#
+# ``Recorder`` turns each reply (or the failure that ended the session) into
+# a classified result (``delivery.smtp.retry``), stamped with the target
+# and the session's transport security (``Security``).
+# ----------------------------------------------------------------------------
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Security:
+    """The transport security of one session (Attempt.tls_* and auth_used)."""
+
+    policy: str = ""
+    version: str = ""
+    cipher: str = ""
+    verified: str = ""
+    auth: str = ""
+    report: str = ""  # an MTA-STS "testing" failure, for an Event
+
+
+class Recorder:
+    """The results of one message on one target, one per recipient."""
+
+    __slots__ = ("msg", "target", "started", "t0", "decided", "peer_dsn", "security")
+
+    def __init__(
+        self,
+        msg: OutboundMessage,
+        target: Peer,
+        started: datetime,
+        t0: float,
+        peer_dsn: bool = False,
+        security: Security | None = None,
+    ):
+        self.peer_dsn = peer_dsn
+        self.security = security or Security()
+        self.msg = msg
+        self.target = target
+        self.started = started
+        self.t0 = t0
+        self.decided: dict[int, RecipientResult] = {}
+
+    def set(
+        self,
+        rcpt: OutboundRecipient,
+        phase: str,
+        code: int | None,
+        text: str,
+        cls: retry.Classification | None = None,
+    ) -> None:
+        if cls is None:
+            cls = retry.classify(phase, code, text)
+        t = self.target
+        sec = self.security
+        self.decided[rcpt.id] = RecipientResult(
+            recipient_id=rcpt.id,
+            message_id=self.msg.id,
+            outcome=cls.outcome,
+            phase=phase,
+            code=code,
+            enhanced=cls.enhanced,
+            text=retry.strip_enhanced(text),
+            host=t.host,
+            ip=t.ip,
+            port=t.port or None,
+            started_at=self.started,
+            duration_ms=int((time.monotonic() - self.t0) * 1000),
+            scope=cls.scope,
+            peer_dsn=self.peer_dsn,
+            tls_version=sec.version,
+            tls_cipher=sec.cipher,
+            tls_verified=sec.verified,
+            tls_policy=sec.policy,
+            auth_used=sec.auth,
+            tls_report=sec.report,
+        )
+
+    def set_many(
+        self,
+        rcpts: Sequence[OutboundRecipient],
+        phase: str,
+        code: int | None,
+        text: str,
+        cls: retry.Classification | None = None,
+    ) -> None:
+        if cls is None:
+            cls = retry.classify(phase, code, text)
+        for rcpt in rcpts:
+            self.set(rcpt, phase, code, text, cls)
+
+    def fill(self, phase: str, code: int | None, text: str, enhanced: str = "") -> None:
+        """Give every recipient without a result this one (``enhanced``
+        overrides the classified enhanced status code when given)."""
+        cls = retry.classify(phase, code, text)
+        if enhanced:
+            cls = replace(cls, enhanced=enhanced)
+        self.set_many(
+            [r for r in self.msg.recipients if r.id not in self.decided], phase, code, text, cls
+        )
+
+    def refuse(self, rcpts: Sequence[OutboundRecipient], refusal: Refusal) -> None:
+        """Give ``rcpts`` a result decided without asking the peer."""
+        if rcpts:
+            self.set_many(rcpts, refusal.phase, None, refusal.text, refusal.classification())
+
+    def results(self) -> list[RecipientResult]:
+        return [self.decided[r.id] for r in self.msg.recipients if r.id in self.decided]

@@ -34,8 +34,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
-from queues.domains import DomainError, domain_key
-from queues.units import format_duration, parse_duration
+from queues.lib import DomainError, domain_key, format_duration, parse_duration
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -279,7 +278,7 @@ def _match_local(pattern: str, local: str) -> bool:
 
 
 def _domain_form(domain: str) -> str:
-    """The one form of a domain (queues.domains), so a rule written with a
+    """The one form of a domain (queues.lib), so a rule written with a
     U-label or full-width letters matches the A-label the relay routes by."""
     try:
         return domain_key(domain)

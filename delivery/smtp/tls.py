@@ -27,10 +27,15 @@ cleartext. The work happens before a round sends (``plan``: DNS and HTTPS,
 bounded by timeouts; the MTA-STS part through the round's ``wait``, which
 keeps its claim renewed); the SMTP client only reads the result
 (``RoundTls.tls_for``, ``RoundTls.auth_for``).
+
+The next hops' AUTH credentials (``MAILRELAY_SMTP_AUTH``, below) are looked up
+in the same plan: which peer gets which account, and whether cleartext is
+allowed for it.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +44,6 @@ from datetime import datetime
 
 from django.conf import settings
 
-from delivery.smtp import auth as smtp_auth
 from delivery.smtp import dane, mta_sts
 from delivery.smtp.dane import Tlsa
 
@@ -148,7 +152,7 @@ def validate_tls_settings() -> list[tuple[str, object]]:
     return [
         ("MAILRELAY_TLS_POLICY", policy),
         ("MAILRELAY_TLS_DEFAULT_LEVEL", default),
-        ("MAILRELAY_SMTP_AUTH", smtp_auth.load),
+        ("MAILRELAY_SMTP_AUTH", load_auth),
     ]
 
 
@@ -190,14 +194,14 @@ class RoundTls:
 
     default: TlsRequirement = MAY
     by_target: dict[tuple[str, int], TlsRequirement] = field(default_factory=dict)
-    auth: dict[tuple[str, int], smtp_auth.Credentials] = field(default_factory=dict)
+    auth: dict[tuple[str, int], Credentials] = field(default_factory=dict)
     # MTA-STS "testing" failures, for the operator (queues Event)
     reports: list[str] = field(default_factory=list)
 
     def tls_for(self, peer) -> TlsRequirement:
         return self.by_target.get((peer.host, peer.port), self.default)
 
-    def auth_for(self, peer) -> smtp_auth.Credentials | None:
+    def auth_for(self, peer) -> Credentials | None:
         return self.auth.get((peer.host, peer.port))
 
 
@@ -241,10 +245,10 @@ def plan(
         )
     elif configured is None and dns_routed and settings.MAILRELAY_MTA_STS:
         _apply_mta_sts(rnd, make_resolver(), domains, hosts, now, ca_file, wait)
-    table = smtp_auth.load()
+    table = load_auth()
     if table:
         for host, port in hosts:
-            creds = smtp_auth.lookup(table, _names(host, port) + hop_names)
+            creds = lookup_auth(table, _names(host, port) + hop_names)
             if creds is not None:
                 rnd.auth[(host, port)] = creds
     return rnd
@@ -308,3 +312,98 @@ def _apply_mta_sts(
         if testing and not enforce:
             # TLS is checked after the fact; a failure is reported, not fatal.
             rnd.by_target[(host, port)] = TlsRequirement("may", False, "report", ca_file=ca_file)
+
+
+# ----------------------------------------------------------------------------
+# Credentials for AUTH to next hops (Postfix's ``smtp_sasl_password_maps``).
+#
+# ``MAILRELAY_SMTP_AUTH`` names a file of lines::
+#
+#     # next hop                  username:password            flags
+#     [smtp.office365.com]:587    relay@example.com:s3cret
+#     [10.0.0.5]:25               relay:secret                 allow-cleartext
+#     smtp.provider.net           user:pass
+#
+# The next hop is written as in the transport map or smart host: ``[host]:port``
+# or ``[host]`` for a host used as is, ``host:port`` or ``host`` for a name
+# (looked up for MX); a line also matches a host it expands to, and the MX host
+# names themselves. The password is everything after the first colon (it may
+# contain colons, not spaces). Credentials are never sent without TLS unless
+# the line says ``allow-cleartext``, nor over TLS whose certificate was not
+# verified (policy ``may``/``encrypt``) unless the line says ``allow-cleartext``
+# or ``MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS`` is set (``delivery.smtp.connection``). With
+# ``MAILRELAY_SMTP_AUTH_FILE`` (a mounted secret) the setting's value is the
+# file's content itself.
+# ----------------------------------------------------------------------------
+
+
+ALLOW_CLEARTEXT = "allow-cleartext"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    username: str
+    password: str = field(repr=False)  # never in logs or reprs
+    allow_cleartext: bool = False
+
+    def plain(self) -> bytes:
+        """The AUTH PLAIN initial response (RFC 4616): NUL user NUL password."""
+        raw = b"\0" + self.username.encode() + b"\0" + self.password.encode()
+        return base64.b64encode(raw)
+
+
+def _key(spec: str) -> str:
+    return spec.strip().lower()
+
+
+def parse_auth(text: str) -> dict[str, Credentials]:
+    """Next hop → credentials; raises ValueError naming the line (not the password)."""
+    table: dict[str, Credentials] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) < 2 or ":" not in parts[1]:
+            raise ValueError(f"line {number}: expected 'next-hop username:password [flags]'")
+        flags = parts[2:]
+        unknown = [f for f in flags if f != ALLOW_CLEARTEXT]
+        if unknown:
+            raise ValueError(f"line {number}: unknown flag {unknown[0]!r} (known: allow-cleartext)")
+        username, _, password = parts[1].partition(":")
+        if not username:
+            raise ValueError(f"line {number}: empty username")
+        table[_key(parts[0])] = Credentials(username, password, ALLOW_CLEARTEXT in flags)
+    return table
+
+
+_auth_loaded: tuple[tuple[str, float], dict[str, Credentials]] | None = None
+
+
+def load_auth() -> dict[str, Credentials]:
+    """The table of ``MAILRELAY_SMTP_AUTH`` (a path, or the content from a
+    ``_FILE`` secret), read again when the file changes."""
+    global _auth_loaded
+    value = settings.MAILRELAY_SMTP_AUTH
+    if not value.strip():
+        return {}
+    path = value.strip()
+    if any(ch.isspace() for ch in path):  # content (a _FILE secret), not a path
+        return parse_auth(value)
+    if not os.path.isfile(path):
+        raise ValueError(f"file {path!r} does not exist")
+    stamp = (path, os.stat(path).st_mtime)
+    if _auth_loaded is None or _auth_loaded[0] != stamp:
+        with open(path, encoding="utf-8") as fh:
+            _auth_loaded = (stamp, parse_auth(fh.read()))
+    return _auth_loaded[1]
+
+
+def lookup_auth(table: dict[str, Credentials], names: list[str]) -> Credentials | None:
+    """The credentials of the first of ``names`` (next-hop spellings, most
+    specific first) that has a line."""
+    for name in names:
+        creds = table.get(_key(name))
+        if creds is not None:
+            return creds
+    return None

@@ -1,8 +1,8 @@
 """Inbound SMTP: accept mail over SMTP into the queue store (``message_accept``).
 
-``policy`` parses and judges (pure), ``replies`` names every reply, and
-``server`` runs aiosmtpd with them (through ``aiosmtpd_adapter``, the one
-place that touches aiosmtpd's private members; ``dbthreads`` and ``doorbell``
-hold its database threads and categorizer doorbell); ``manage.py runsmtp``
-starts it.
+``session`` speaks the protocol (``InboundSMTP``, behind ``aiosmtpd_adapter``,
+the one place that touches aiosmtpd's private members); ``policy`` parses and
+judges (pure) and names every reply; ``server`` runs the listeners, the
+database threads, the group commit and the categorizer doorbell;
+``manage.py runsmtp`` starts it.
 """

@@ -1,15 +1,16 @@
 """The inbound SMTP server: aiosmtpd with our policy, and 250 only after the commit.
 
 One ``InboundServer`` per process owns the listeners, a small pool of
-database threads (``dbthreads.DatabaseExecutor``: ``message_accept`` is
-synchronous Django ORM) and the categorizer doorbell (``doorbell.CoalescedBell``).
+database threads (``DatabaseExecutor``: ``message_accept`` is synchronous
+Django ORM) and the categorizer doorbell (``CoalescedBell``), each in its
+section below.
 Each connection is a ``session.InboundSMTP`` (the protocol, behind the
 aiosmtpd adapter), which asks ``policy`` what to accept; the DATA work lives
 in ``RelayHandler`` here. Settings are read once, into ``config.InboundConfig``.
 
 Hot path per message: the header checked against its limits, the message
 prepared (ids, headers, DKIM signature: ``prepare_message``) in a database
-thread, then handed to the group committer (``groupcommit.GroupCommitter``:
+thread, then handed to the group committer (``GroupCommitter``, below:
 the messages of every session waiting at that moment in one statement and one
 transaction, in a committer thread), the reply once its transaction
 committed, then a coalesced ring of the categorizer. The other database calls
@@ -40,25 +41,27 @@ their files change (``TlsCertificate``), checked on each new connection.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
+import math
+import queue
 import resource
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiosmtpd.smtp import Envelope, Session
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection, connections
 
 from delivery.backpressure.samplers import InFlight
 from delivery.outage import OUTAGE, first_line, is_unavailable
-from delivery.smtpd import policy, replies
+from delivery.qmgr import bell
+from delivery.smtpd import policy
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION, SUBMISSIONS, InboundConfig
-from delivery.smtpd.dbthreads import DatabaseExecutor
-from delivery.smtpd.doorbell import CoalescedBell
-from delivery.smtpd.groupcommit import DEFAULT_COMMIT_THREADS, GroupCommitter
 from delivery.smtpd.session import InboundSMTP, RelayEnvelope, protocol_keyword
 from queues import counters
 from queues.accept import (
@@ -70,7 +73,7 @@ from queues.accept import (
     printable,
 )
 from queues.dberrors import drop_connection
-from queues.headers import author_addresses
+from queues.lib import author_addresses
 from queues.models import MessageSource
 from queues.services import accounts
 
@@ -177,7 +180,7 @@ def header_sender_refusal(grant: accounts.Grant, data: bytes | bytearray) -> str
     DMARC as that address's domain. None when every one is allowed."""
     for field, address in author_addresses(data):
         if not grant.may_send_as(address):
-            return replies.HEADER_SENDER_NOT_ALLOWED.format(
+            return policy.HEADER_SENDER_NOT_ALLOWED.format(
                 address=printable(address)[:300], field=field, username=grant.username
             )
     return None
@@ -195,14 +198,14 @@ class RelayHandler:
         try:
             if policy.has_bare_line_ending(data):
                 log.warning("rejected message with bare CR/LF from %s", smtp.client_ip)
-                return replies.BARE_LINE_ENDING
+                return policy.BARE_LINE_ENDING
             if refusal := policy.header_limit_refusal(
                 data, smtp.config.max_header_fields, smtp.config.max_header_size
             ):
                 log.info("%s: %s", smtp.client_ip, refusal)
                 return refusal
             if policy.received_count(data) > policy.MAX_RECEIVED_HEADERS:
-                return replies.TOO_MANY_HOPS
+                return policy.TOO_MANY_HOPS
             if smtp.grant is not None and (refusal := header_sender_refusal(smtp.grant, data)):
                 log.info("%s: %s", smtp.client_ip, refusal)
                 return refusal
@@ -232,18 +235,18 @@ class RelayHandler:
             )
         except Exception:
             log.exception("could not prepare a message from %s", smtp.client_ip)
-            return replies.INTERNAL_ERROR
+            return policy.INTERNAL_ERROR
         try:
             qid = await counters.timed_accept(self.store(incoming, data))
         except Exception as exc:
             if not is_unavailable(exc):
                 log.exception("could not store a message from %s", smtp.client_ip)
-                return replies.STORE_FAILED
+                return policy.STORE_FAILED
             # The database is away (a failover): one line per 451, the outage
             # itself once as it starts and once as it ends (delivery.outage).
             OUTAGE.failed(exc)
             log.warning("451 4.3.0 message from %s not stored: %s", smtp.client_ip, first_line(exc))
-            return replies.STORE_FAILED
+            return policy.STORE_FAILED
         OUTAGE.recovered()
         log.info(
             "%s: from=<%s> nrcpt=%d size=%d client=%s",
@@ -253,11 +256,11 @@ class RelayHandler:
             len(data),
             smtp.client_ip,
         )
-        return replies.QUEUED.format(qid=qid)
+        return policy.QUEUED.format(qid=qid)
 
     async def handle_exception(self, error: Exception) -> str:
         log.error("inbound SMTP session error", exc_info=error)
-        return replies.INTERNAL_ERROR
+        return policy.INTERNAL_ERROR
 
 
 # ----------------------------------------------------------------- the server
@@ -405,18 +408,18 @@ class InboundServer:
         config = self.config
         if config.max_connections and len(self.sessions) >= config.max_connections:
             log.warning("refused %s: %d connections open", session.client_ip, len(self.sessions))
-            return replies.TOO_MANY_CONNECTIONS
+            return policy.TOO_MANY_CONNECTIONS
         if session.kind != SMTP_LISTENER and self.auth_limiter.locked_out(
             policy.client_key(session.client_ip)
         ):
             log.warning("refused %s: too many AUTH failures", session.client_ip)
-            return replies.AUTH_LOCKED_OUT
+            return policy.AUTH_LOCKED_OUT
         if not session.trusted:
             key = policy.client_key(session.client_ip)
             limit = config.max_connections_per_client
             if limit and self.per_client[key] >= limit:
                 log.warning("refused %s: %d connections from %s", session.client_ip, limit, key)
-                return replies.TOO_MANY_FROM_CLIENT
+                return policy.TOO_MANY_FROM_CLIENT
             self.per_client[key] += 1
             session.counted_as = key
         self.sessions.add(session)
@@ -463,3 +466,308 @@ class InboundServer:
             await listener.wait_closed()
         if self.monitor is not None:
             await self.monitor.stop()
+
+
+# ----------------------------------------------------------------------------
+# Group commit on ingress: the messages of several sessions in one transaction.
+#
+# A commit costs the database a WAL flush and a round trip whatever it holds;
+# under load, sessions wait for their commits at the same time. The
+# ``GroupCommitter`` has a few committer threads (each owning one Django
+# connection); a thread takes the first waiting message and every other one
+# waiting at that moment (up to ``max_batch`` messages, ``max_bytes``), stores
+# them with one statement (``queues.accept.messages_accept``) and
+# then answers each message's future: its Message once committed, or the
+# exception that kept it out. Nothing waits for a batch to fill: with no load a
+# batch is one message, under load batches grow by themselves (Postgres's own
+# ``commit_delay`` idea, without the delay).
+#
+# A failed batch commits nothing; ``messages_accept`` then stores its messages
+# one by one, so one bad message gets its 451 alone. Each session replies 250
+# only after its own future holds a Message.
+# ----------------------------------------------------------------------------
+
+
+DEFAULT_COMMIT_THREADS = 2
+DEFAULT_MAX_BATCH = 64
+DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # a batch holds at most this much message data
+# A committer thread reconnects after a batch this large: libpq's send buffer
+# grows to the statement's size and is only freed with the connection.
+
+Job = tuple[concurrent.futures.Future, Any, Any]  # (future, envelope, data)
+
+# PostgreSQL takes at most 65535 parameters in one statement; a batch's INSERT
+# (queues.bulk.insert_many_with_children) sends one per column of each message
+# and of each recipient. Kept under that with room: a batch of four messages of
+# 1000 recipients each is two statements, not a failed one and four retries.
+MAX_STATEMENT_PARAMS = 60_000
+PARAMS_PER_MESSAGE = 40  # message columns (31 today) with room
+PARAMS_PER_RECIPIENT = 24  # recipient columns (19 today) with room
+
+
+def _params(job: Job) -> int:
+    recipients = getattr(job[1], "recipients", ())
+    return PARAMS_PER_MESSAGE + PARAMS_PER_RECIPIENT * len(recipients)
+
+
+StoreBatch = Callable[[Sequence[tuple[Any, Any]]], list[Any]]
+
+
+def _default_store_batch(batch: Sequence[tuple[Any, Any]]) -> list[Any]:
+    from queues.accept import messages_accept
+
+    return messages_accept(batch)
+
+
+class GroupCommitter:
+    """Committer threads that store waiting messages in batches."""
+
+    def __init__(
+        self,
+        threads: int = DEFAULT_COMMIT_THREADS,
+        *,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        store_batch: StoreBatch = _default_store_batch,
+        name: str = "smtp-commit",
+    ) -> None:
+        self.max_batch = max(1, max_batch)
+        self.max_bytes = max_bytes
+        self._store_batch = store_batch
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self.batches = 0  # batches stored (for tests and the log)
+        self.messages = 0
+        self._count_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, envelope: Any, data: bytes | bytearray) -> concurrent.futures.Future:
+        """Queue one message; the future gets its stored Message (committed) or an exception."""
+        if self._closed:
+            raise RuntimeError("the group committer is shut down")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, envelope, data))
+        return future
+
+    def _take_batch(self, first: Job) -> tuple[list[Job], Job | None]:
+        """The batch that starts with ``first``, and the job taken that did not
+        fit in its statement (it starts this thread's next batch)."""
+        batch = [first]
+        size = len(first[2])
+        params = _params(first)
+        while len(batch) < self.max_batch and size < self.max_bytes:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self._jobs.put(None)  # shutting down: this thread stops after the batch
+                break
+            if params + _params(job) > MAX_STATEMENT_PARAMS:
+                return batch, job
+            batch.append(job)
+            size += len(job[2])
+            params += _params(job)
+        return batch, None
+
+    def _work(self) -> None:
+        try:
+            carried: Job | None = None
+            while (first := carried or self._jobs.get()) is not None:
+                taken, carried = self._take_batch(first)
+                batch = [job for job in taken if job[0].set_running_or_notify_cancel()]
+                if batch:
+                    self._commit(batch)
+                del first, taken, batch  # an idle thread keeps no message body alive
+        finally:
+            connections.close_all()
+
+    def _commit(self, batch: list[Job]) -> None:
+        size = sum(len(data) for _f, _e, data in batch)
+        try:
+            results = self._store_batch([(envelope, data) for _f, envelope, data in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"{len(results)} results for a batch of {len(batch)}")
+        except BaseException as exc:  # noqa: BLE001 - every message of the batch fails (451)
+            # A database that is away is logged by each session's 451, not traced here.
+            away = isinstance(exc, (OperationalError, InterfaceError))
+            log.log(
+                logging.DEBUG if away else logging.ERROR,
+                "storing a batch of %d messages failed",
+                len(batch),
+                exc_info=not away,
+            )
+            self._close_connection()
+            for future, _e, _d in batch:
+                future.set_exception(exc)
+            return
+        with self._count_lock:
+            self.batches += 1
+            self.messages += len(batch)
+        failed = False
+        for (future, _e, _d), result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                failed = True
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if failed or size >= RELEASE_CONNECTION_ABOVE:
+            self._close_connection()
+
+    @staticmethod
+    def _close_connection() -> None:
+        try:
+            connection.close()
+        except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+            log.debug("closing the committer's database connection failed", exc_info=True)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop after every message already queued is stored."""
+        if not self._closed:
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+
+# ----------------------------------------------------------------------------
+# The categorizer doorbell of an ingress process, rung after commits and coalesced.
+# ----------------------------------------------------------------------------
+
+
+RING_INTERVAL = 0.1  # seconds; one categorizer task per ring: batches, not a task per message
+
+
+def _ring() -> None:
+    # Looked up at call time: tests replace bell.ring_categorizer.
+    bell.ring_categorizer()
+
+
+class CoalescedBell:
+    """Rings the categorizer at most once per ``interval``, never blocking a reply.
+
+    A request while a ring is waiting to start is covered by that ring; a
+    request while one is in flight gets one more ring after it. So every
+    commit is followed by a ring that started after the commit.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        executor: concurrent.futures.Executor,
+        interval: float = RING_INTERVAL,
+        ring: Callable[[], None] = _ring,
+    ) -> None:
+        self._loop = loop
+        self._executor = executor
+        self._interval = interval
+        self._ring = ring
+        self._timer: asyncio.TimerHandle | None = None
+        self._inflight: asyncio.Future | None = None
+        self._again = False
+        self._last = -math.inf
+
+    def request(self) -> None:
+        if self._timer is not None:
+            return
+        if self._inflight is not None:
+            self._again = True
+            return
+        self._schedule()
+
+    def _schedule(self) -> None:
+        delay = max(0.0, self._last + self._interval - self._loop.time())
+        self._timer = self._loop.call_later(delay, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._last = self._loop.time()
+        self._inflight = self._loop.run_in_executor(self._executor, self._ring)
+        self._inflight.add_done_callback(self._rung)
+
+    def _rung(self, future: asyncio.Future) -> None:
+        self._inflight = None
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("ringing the categorizer failed", exc_info=future.exception())
+        if self._again:
+            self._again = False
+            self._schedule()
+
+    async def flush(self) -> None:
+        """Ring now what is pending, and wait until no ring is in flight."""
+        while self._timer is not None or self._inflight is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._fire()
+            assert self._inflight is not None
+            await asyncio.wait({self._inflight})
+
+
+# ----------------------------------------------------------------------------
+# Database threads: a fixed pool whose threads each own one Django connection.
+#
+# ``message_accept`` is synchronous Django ORM, so the inbound server (and the
+# pickup watcher) run it in these threads instead of on the event loop.
+# ----------------------------------------------------------------------------
+
+
+class DatabaseExecutor(concurrent.futures.Executor):
+    """A fixed pool of threads, each owning one Django database connection.
+
+    Unlike ThreadPoolExecutor, every thread closes its connection when the
+    pool shuts down, so nothing holds a session (or locks) afterwards.
+    """
+
+    def __init__(self, workers: int, name: str = "smtp-db") -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future:
+        if self._closed:
+            raise RuntimeError("the database executor is shut down")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self) -> None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                future, fn, args, kwargs = job
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+                # Drop the job now: an idle thread would otherwise keep its last
+                # message's body alive until its next job.
+                del job, future, fn, args, kwargs
+                result = None
+        finally:
+            connections.close_all()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if not self._closed:
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.put(None)  # after every job already queued
+        if wait:
+            for thread in self._threads:
+                thread.join()

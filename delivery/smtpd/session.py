@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from aiosmtpd.smtp import SMTP, Envelope, syntax
 
-from delivery.smtpd import authlimit, policy, replies
+from delivery.smtpd import authlimit, policy
 from delivery.smtpd.aiosmtpd_adapter import AiosmtpdSession
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION, SUBMISSIONS, InboundConfig
@@ -265,9 +265,9 @@ class InboundSMTP(AiosmtpdSession):
         # RFC 5321 4.5.3.2: say why before closing an idle session (aiosmtpd just closes).
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            self.write_raw(replies.TIMEOUT.encode() + b"\r\n")
+            self.write_raw(policy.TIMEOUT.encode() + b"\r\n")
 
-    def shutdown(self, reply: str = replies.SHUTTING_DOWN) -> None:
+    def shutdown(self, reply: str = policy.SHUTTING_DOWN) -> None:
         """Say 421 and close, but only after the reply to a message being committed."""
         if self.storing:
             self._close_after_reply = reply
@@ -276,7 +276,7 @@ class InboundSMTP(AiosmtpdSession):
 
     def _session_expired(self) -> None:
         log.info("%s: session time limit reached", self.client_ip)
-        self.shutdown(replies.SESSION_TOO_LONG)
+        self.shutdown(policy.SESSION_TOO_LONG)
 
     def count_junk(self) -> bool:
         """One more command that moves no message; True (and 421, closed) past the limit."""
@@ -284,7 +284,7 @@ class InboundSMTP(AiosmtpdSession):
         limit = self.config.junk_command_limit
         if limit and self.junk_commands > limit:
             log.info("%s: more than %d junk commands; closing", self.client_ip, limit)
-            self._goodbye(replies.TOO_MANY_JUNK_COMMANDS)
+            self._goodbye(policy.TOO_MANY_JUNK_COMMANDS)
             return True
         return False
 
@@ -294,7 +294,7 @@ class InboundSMTP(AiosmtpdSession):
         if not self.count_junk():
             await self.push(reply)
 
-    def _goodbye(self, reply: str = replies.SHUTTING_DOWN) -> None:
+    def _goodbye(self, reply: str = policy.SHUTTING_DOWN) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
@@ -313,7 +313,7 @@ class InboundSMTP(AiosmtpdSession):
         if isinstance(status, bytes):
             status = status.decode("utf-8", "replace")
         if self._greeted:
-            status = replies.enhance(status)
+            status = policy.enhance(status)
         else:
             self._greeted = True  # the greeting carries no enhanced code
         # Replies may echo client text; never fail on undecodable bytes.
@@ -331,7 +331,7 @@ class InboundSMTP(AiosmtpdSession):
     @syntax("HELO hostname")
     async def smtp_HELO(self, hostname: str | None) -> None:
         if not hostname:
-            await self._push_lines([replies.HELO_SYNTAX])
+            await self._push_lines([policy.HELO_SYNTAX])
             return
         self.reset_transaction()
         assert self.session is not None
@@ -343,7 +343,7 @@ class InboundSMTP(AiosmtpdSession):
     @syntax("EHLO hostname")
     async def smtp_EHLO(self, hostname: str | None) -> None:
         if not hostname:
-            await self._push_lines([replies.EHLO_SYNTAX])
+            await self._push_lines([policy.EHLO_SYNTAX])
             return
         self.reset_transaction()
         assert self.session is not None
@@ -373,17 +373,17 @@ class InboundSMTP(AiosmtpdSession):
         envelope = self.envelope
         assert isinstance(envelope, RelayEnvelope)
         if envelope.started:
-            await self.push(replies.NESTED_MAIL)
+            await self.push(policy.NESTED_MAIL)
             return
         if self.kind == SUBMISSION and not self.tls_active:
-            await self.push(replies.STARTTLS_FIRST)
+            await self.push(policy.STARTTLS_FIRST)
             return
         if self.kind != SMTP_LISTENER and self.grant is None:
-            await self.push(replies.AUTH_REQUIRED)  # RFC 6409 4.1: submission needs AUTH
+            await self.push(policy.AUTH_REQUIRED)  # RFC 6409 4.1: submission needs AUTH
             return
         rest = command_argument("FROM:", arg or "")
         if rest is None:
-            await self.bad_command(replies.MAIL_SYNTAX)
+            await self.bad_command(policy.MAIL_SYNTAX)
             return
         try:
             sender, params = policy.parse_mail(
@@ -413,7 +413,7 @@ class InboundSMTP(AiosmtpdSession):
         envelope.mail_from = sender.address if sender else ""
         envelope.params = params
         envelope.smtp_utf8 = params.smtputf8
-        await self.push(replies.SENDER_OK)
+        await self.push(policy.SENDER_OK)
 
     @syntax("RCPT TO: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_RCPT(self, arg: str | None) -> None:
@@ -423,11 +423,11 @@ class InboundSMTP(AiosmtpdSession):
         envelope = self.envelope
         assert isinstance(envelope, RelayEnvelope)
         if not envelope.started:
-            await self.push(replies.NEED_MAIL)
+            await self.push(policy.NEED_MAIL)
             return
         rest = command_argument("TO:", arg or "")
         if rest is None:
-            await self.bad_command(replies.RCPT_SYNTAX)
+            await self.bad_command(policy.RCPT_SYNTAX)
             return
         try:
             recipient, params = policy.parse_rcpt(
@@ -444,13 +444,13 @@ class InboundSMTP(AiosmtpdSession):
             await self.push(refusal)
             return
         if len(envelope.recipients) >= self.config.max_recipients:
-            await self.push(replies.TOO_MANY_RECIPIENTS)
+            await self.push(policy.TOO_MANY_RECIPIENTS)
             return
         envelope.recipients.append(
             IncomingRecipient(recipient.address, orcpt=params.orcpt, notify=params.notify)
         )
         envelope.rcpt_tos.append(recipient.address)
-        await self.push(replies.RECIPIENT_OK)
+        await self.push(policy.RECIPIENT_OK)
 
     @syntax("DATA")
     async def smtp_DATA(self, arg: str | None) -> None:
@@ -459,19 +459,19 @@ class InboundSMTP(AiosmtpdSession):
         envelope = self.envelope
         assert isinstance(envelope, RelayEnvelope)
         if not envelope.started:
-            await self.push(replies.NEED_MAIL)
+            await self.push(policy.NEED_MAIL)
             return
         if not envelope.recipients:
-            await self.push(replies.NO_VALID_RECIPIENTS)
+            await self.push(policy.NO_VALID_RECIPIENTS)
             return
         if arg:
-            await self.push(replies.DATA_SYNTAX)
+            await self.push(policy.DATA_SYNTAX)
             return
-        await self.push(replies.START_DATA)
+        await self.push(policy.START_DATA)
         data = await self._read_data()
         if data is None:
             self.end_transaction()
-            await self.push(replies.MESSAGE_TOO_BIG)
+            await self.push(policy.MESSAGE_TOO_BIG)
             return
         envelope.original_content = envelope.content = data
         del data  # the envelope holds the only reference: reset after DATA frees it
@@ -556,22 +556,22 @@ class InboundSMTP(AiosmtpdSession):
             self._arm_data_timer()
             return
         log.info("%s: DATA too slow or idle; closing", self.client_ip)
-        self._goodbye(replies.DATA_TOO_SLOW)
+        self._goodbye(policy.DATA_TOO_SLOW)
 
     async def _account_refusal(self, grant: accounts.Grant, address: str) -> str | None:
         """The reply refusing an authenticated MAIL FROM, or None: its sender, its rate."""
         if not grant.may_send_as(address):
             log.info("%s: account %s may not send as <%s>", self.client_ip, grant.username, address)
-            return replies.SENDER_NOT_ALLOWED.format(address=address, username=grant.username)
+            return policy.SENDER_NOT_ALLOWED.format(address=address, username=grant.username)
         if grant.max_messages_per_hour:
             try:
                 limited = await self.server.in_database(accounts.rate_limited, grant)
             except Exception:
                 log.exception("could not check the rate of account %s", grant.username)
-                return replies.INTERNAL_ERROR
+                return policy.INTERNAL_ERROR
             if limited:
                 log.info("%s: account %s over its rate", self.client_ip, grant.username)
-                return replies.ACCOUNT_RATE_LIMITED.format(
+                return policy.ACCOUNT_RATE_LIMITED.format(
                     username=grant.username, limit=grant.max_messages_per_hour
                 )
         return None
@@ -585,18 +585,18 @@ class InboundSMTP(AiosmtpdSession):
         assert self.session is not None
         refusal = self._auth_refusal()
         if refusal is not None:
-            if refusal == replies.AUTH_LOCKED_OUT:
+            if refusal == policy.AUTH_LOCKED_OUT:
                 self._goodbye(refusal)
             else:
                 await self.push(refusal)
             return
         words = (arg or "").split()
         if not 1 <= len(words) <= 2:
-            await self.push(replies.AUTH_SYNTAX)
+            await self.push(policy.AUTH_SYNTAX)
             return
         mechanism = words[0].upper()
         if mechanism not in AUTH_MECHANISMS:
-            await self.push(replies.AUTH_MECHANISM)
+            await self.push(policy.AUTH_MECHANISM)
             return
         initial = words[1] if len(words) == 2 else None
         if mechanism == "PLAIN":
@@ -610,16 +610,16 @@ class InboundSMTP(AiosmtpdSession):
     def _auth_refusal(self) -> str | None:
         assert self.session is not None
         if not self.session.extended_smtp:
-            return replies.AUTH_NEEDS_EHLO
+            return policy.AUTH_NEEDS_EHLO
         if not self.tls_active:
-            return replies.AUTH_NEEDS_TLS
+            return policy.AUTH_NEEDS_TLS
         if self.server.auth_limiter.locked_out(policy.client_key(self.client_ip)):
-            return replies.AUTH_LOCKED_OUT
+            return policy.AUTH_LOCKED_OUT
         if self.grant is not None:
-            return replies.AUTH_ALREADY
+            return policy.AUTH_ALREADY
         envelope = self.envelope
         if isinstance(envelope, RelayEnvelope) and envelope.started:
-            return replies.AUTH_IN_TRANSACTION
+            return policy.AUTH_IN_TRANSACTION
         return None
 
     async def _challenge(self, prompt: bytes) -> bytes | None:
@@ -630,11 +630,11 @@ class InboundSMTP(AiosmtpdSession):
         self.restart_idle_timer()
         if line is None:
             log.warning("%s: AUTH answer too long; refused", self.client_ip)
-            await self.push(replies.AUTH_LINE_TOO_LONG)
+            await self.push(policy.AUTH_LINE_TOO_LONG)
             return None
         answer = line.strip()
         if answer == b"*":
-            await self.push(replies.AUTH_ABORTED)
+            await self.push(policy.AUTH_ABORTED)
             return None
         return await self._decoded(answer.decode("ascii", "replace"))
 
@@ -658,7 +658,7 @@ class InboundSMTP(AiosmtpdSession):
         """``text`` decoded from base64; None (and 501) when it is not base64."""
         decoded = decode_base64(text)
         if decoded is None:
-            await self.push(replies.AUTH_BAD_BASE64)
+            await self.push(policy.AUTH_BAD_BASE64)
         return decoded
 
     async def _first_response(self, initial: str | None, prompt: bytes):
@@ -674,7 +674,7 @@ class InboundSMTP(AiosmtpdSession):
             return None
         credentials = plain_credentials(response)
         if credentials is None:
-            await self.push(replies.AUTH_BAD_PLAIN)
+            await self.push(policy.AUTH_BAD_PLAIN)
         return credentials
 
     async def _login(self, initial: str | None) -> tuple[str, str] | None:
@@ -699,25 +699,25 @@ class InboundSMTP(AiosmtpdSession):
             )
         except Exception:
             log.exception("%s: AUTH could not be checked", self.client_ip)
-            await self.push(replies.AUTH_UNAVAILABLE)
+            await self.push(policy.AUTH_UNAVAILABLE)
             return
         del password
         assert isinstance(outcome, authlimit.Outcome)
         if outcome.refused == authlimit.ADDRESS:
             log.warning("%s: AUTH refused: too many failures from this address", self.client_ip)
-            self._goodbye(replies.AUTH_LOCKED_OUT)
+            self._goodbye(policy.AUTH_LOCKED_OUT)
             return
         if outcome.refused == authlimit.USERNAME:
             log.warning(
                 "%s: AUTH refused for %r: too many failures", self.client_ip, username[:150]
             )
             if not self.count_junk():  # costs no hash: bounded as junk commands are
-                await self.push(replies.AUTH_ACCOUNT_LOCKED)
+                await self.push(policy.AUTH_ACCOUNT_LOCKED)
             return
         if outcome.grant is not None:
             self.grant = outcome.grant
             log.info("%s: authenticated as %s (%s)", self.client_ip, username, mechanism)
-            await self.push(replies.AUTH_OK)
+            await self.push(policy.AUTH_OK)
             return
         log.warning("%s: AUTH %s failed for %r", self.client_ip, mechanism, username[:150])
         client = str(self.client_ip) if self.client_ip else None
@@ -732,10 +732,10 @@ class InboundSMTP(AiosmtpdSession):
             )
         except Exception:  # noqa: BLE001 - the reply matters more than the event
             log.warning("could not record an AUTH failure event", exc_info=True)
-        await self.push(replies.AUTH_FAILED)
+        await self.push(policy.AUTH_FAILED)
 
     @junk_command
     @syntax("VRFY <address>")
     async def smtp_VRFY(self, arg: str | None) -> None:
         # Answer without looking anything up: a relay has no mailboxes to verify.
-        await self.push(replies.CANNOT_VRFY if arg else replies.VRFY_SYNTAX)
+        await self.push(policy.CANNOT_VRFY if arg else policy.VRFY_SYNTAX)

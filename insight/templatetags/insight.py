@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import template
 
 from insight.explain import MessageExplain, explain_message
-from queues import clock
+from queues.lib import clock
 from queues.models import Message
 
 register = template.Library()

@@ -10,9 +10,9 @@ from datetime import datetime
 
 from rest_framework import serializers
 
-from queues import clock
 from queues.filters import message_body_preview, message_headers, message_status, queue_status
 from queues.holdings import next_attempts
+from queues.lib import clock
 from queues.models import Attempt, AuditEntry, Event, Link, Message, Queue, Recipient
 
 MAX_ATTEMPTS_SHOWN = 500

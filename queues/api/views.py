@@ -30,7 +30,6 @@ from rest_framework.utils.urls import replace_query_param
 from rest_framework.views import APIView
 
 from insight.deferrals import error_groups
-from queues import clock
 from queues.api.serializers import (
     ActionOptionsSerializer,
     AuditEntrySerializer,
@@ -57,6 +56,7 @@ from queues.filters import (
     queues_page,
 )
 from queues.holdings import next_attempts
+from queues.lib import clock
 from queues.models import AuditEntry, Link, Message, Queue
 from queues.paging import FilterError, FilterForbidden, Page, parse_limit
 from queues.permissions import (

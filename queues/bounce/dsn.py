@@ -62,7 +62,7 @@ from email.utils import format_datetime
 # queues.bounce.rule (dsn_wanted).
 from queues.bounce.rule import DEFAULT_NOTIFY, DELAY, FAILURE, KINDS, SUCCESS  # noqa: F401
 from queues.bounce.rule import wants as dsn_wanted  # noqa: F401
-from queues.headers import header_block
+from queues.lib import header_block
 
 # RFC 3464 §2.3.3 actions each kind may report.
 ACTIONS_BY_KIND: dict[str, frozenset[str]] = {

@@ -20,10 +20,11 @@ from django.conf import settings
 from django.db import transaction
 from django.dispatch import Signal
 
-from queues import clock, counters
+from queues import counters
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.bodies import body_prefix
 from queues.bounce import dsn
+from queues.lib import clock
 from queues.models import Message, MessageSource, Recipient
 from queues.signals import categorizer_work
 

@@ -22,7 +22,8 @@ from django.contrib.auth.hashers import check_password, make_password
 from django.db import transaction
 from django.db.models import QuerySet
 
-from queues import clock, domains
+from queues import lib
+from queues.lib import clock
 from queues.models import Event, EventLevel, Message, SmtpAccount
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,8 @@ def clean_sender(entry: str) -> str:
     if not domain:
         raise AccountError(f"{entry!r} is neither an address nor a domain")
     try:
-        domain = domains.domain_key(domain)
-    except domains.DomainError as exc:
+        domain = lib.domain_key(domain)
+    except lib.DomainError as exc:
         raise AccountError(f"{entry!r}: {exc}") from None
     return f"{local.lower()}@{domain}" if local else domain
 
@@ -132,8 +133,8 @@ def sender_allowed(allowed: tuple[str, ...] | list[str], address: str) -> bool:
     if not local:
         return False
     try:
-        domain = domains.domain_key(domain)
-    except domains.DomainError:
+        domain = lib.domain_key(domain)
+    except lib.DomainError:
         return False
     return domain in allowed or f"{local.lower()}@{domain}" in allowed
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from django.conf import settings
 
-from queues import clock, dkim, domains
+from queues import dkim, lib
+from queues.lib import clock
 from queues.models import DkimKey
 
 
@@ -46,8 +47,8 @@ def zone_line(domain: str, selector: str, record: str) -> str:
 
 def clean_domain(value: str) -> str:
     try:
-        domain = domains.domain_key(value)
-    except domains.DomainError as exc:
+        domain = lib.domain_key(value)
+    except lib.DomainError as exc:
         raise DkimKeyError(f"{value!r} is not a domain ({exc})") from None
     if "." not in domain or domain.startswith("["):
         raise DkimKeyError(f"{value!r} is not a domain name")

@@ -22,7 +22,7 @@ from datetime import datetime
 
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
-from queues import clock
+from queues.lib import clock
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     DeliveryType,

@@ -10,8 +10,8 @@ from datetime import UTC, datetime
 
 from django.utils.dateparse import parse_datetime
 
+from queues.lib import format_duration, parse_duration
 from queues.services.action_errors import ActionInvalid
-from queues.units import format_duration, parse_duration
 
 
 def parse_until(text: str | datetime | None, now: datetime) -> datetime | None:

@@ -1,7 +1,9 @@
 """The transitions of a message's way through the relay (``queues.transitions``):
 the categorizer's claim and placement, a delivery round's claim, record and
 release, a link's lease and verdict, and finishing a message; the operator's
-and the sweep's extend these QuerySets (``queues.transitions.operator``)."""
+and the sweep's extend these QuerySets (``queues.transitions.operator``).
+The retry hints' QuerySet and the ``any`` lookup (``id__any``) the claims use
+are here too."""
 
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ from functools import cache
 from django.apps import apps
 from django.conf import settings
 from django.db import connection, models, transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Exists, F, Lookup, OuterRef, Q
+from django.db.models.lookups import In
 
 from queues.bulk import field_columns, jsonb_payload, jsonb_rows, update_json
-from queues.lookups import postgresql
 from queues.outcomes import Delivered, LinkOutcome, RecipientOutcome, Verdict
 from queues.states import (
     FINAL_RECIPIENT_STATES,
@@ -583,3 +585,69 @@ _LINK_RECORDED = [
     "last_success_at",
     "last_tls",
 ]
+
+
+# ----------------------------------------------------------------------------
+# The store's query helpers for PostgreSQL's hand-written hot paths: the
+# ``any`` lookup (``filter(id__any=ids)``) and whether they may be used.
+# ----------------------------------------------------------------------------
+
+
+class AnyOf(Lookup):
+    """``filter(id__any=ids)``: ``id = ANY(%s)`` with the ids as one array parameter
+    on PostgreSQL (an ``IN (%s, %s, …)`` list of hundreds of ids costs psycopg's
+    client-side binding and Django's compiler a placeholder each, and makes
+    every batch size a new statement); an ``IN`` list elsewhere."""
+
+    lookup_name = "any"
+    prepare_rhs = False
+
+    def as_sql(self, compiler, connection):  # type: ignore[no-untyped-def]
+        if connection.vendor != "postgresql":
+            return In(self.lhs, list(self.rhs)).as_sql(compiler, connection)
+        lhs, params = self.process_lhs(compiler, connection)
+        # The base type without its length: an explicit cast to varchar(n)
+        # truncates, and a longer value would then match another row.
+        cast = self.lhs.output_field.cast_db_type(connection).partition("(")[0]
+        return f"{lhs} = ANY(%s::{cast}[])", [*params, list(self.rhs)]
+
+
+models.Field.register_lookup(AnyOf)
+models.ForeignObject.register_lookup(AnyOf)  # its lookups stop at ForeignObject
+
+
+def postgresql() -> bool:
+    """Whether the hot paths may use their hand-written PostgreSQL statements."""
+    return connection.vendor == "postgresql"
+
+
+# ----------------------------------------------------------------------------
+# Exim's retry data, stored: the queryset of ``RetryHint`` rows (a hint, not a
+# state: the rules and the arithmetic live in delivery.smtp.retry).
+# ----------------------------------------------------------------------------
+
+
+class RetryHintQuerySet(models.QuerySet):
+    """Exim's retry data, stored (the rules and the arithmetic live in delivery.smtp.retry)."""
+
+    FIELDS = ("first_failed", "last_tried", "next_try", "expired", "error", "text")
+
+    def load(self, keys: Iterable[str]) -> dict:
+        return {h.key: h for h in self.filter(key__in=list(set(keys)))}
+
+    def save(self, hints: Iterable) -> None:
+        """Insert or update one row per key (the last one given wins)."""
+        rows = {h.key: h for h in hints}
+        if rows:
+            self.bulk_create(
+                list(rows.values()),
+                update_conflicts=True,
+                unique_fields=["key"],
+                update_fields=list(self.FIELDS),
+            )
+
+    def clear(self, keys: Iterable[str]) -> None:
+        """A success deletes the data (that resets Exim's retry clock)."""
+        keys = list(set(keys))
+        if keys:
+            self.filter(key__any=keys).delete()

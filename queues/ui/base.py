@@ -25,7 +25,7 @@ from django.http import (
 from django.shortcuts import render
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from queues import clock
+from queues.lib import clock
 from queues.models import (
     DeliveryType,
     LinkState,

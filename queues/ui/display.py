@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from queues.units import format_duration
+from queues.lib import format_duration
 
 
 def _duration(delta: timedelta) -> str:

@@ -16,9 +16,9 @@ from django.shortcuts import get_object_or_404, redirect
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from queues import clock
 from queues.filters import QueueFilter, QueueStatus, queue_status, queues_page
 from queues.holdings import next_attempts
+from queues.lib import clock
 from queues.models import (
     DeliveryType,
     Queue,

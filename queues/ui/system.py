@@ -18,7 +18,7 @@ from delivery.backpressure import store
 from delivery.backpressure.config import BackPressureConfig
 from delivery.backpressure.engine import Resource
 from insight import alerts
-from queues import clock
+from queues.lib import clock
 from queues.models import Event
 from queues.services import dkim_keys
 from queues.ui.accounts import admin_required

@@ -33,7 +33,6 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from insight.deferrals import error_groups
-from queues import clock
 from queues.filters import (
     MESSAGE_FILTERS,
     AuditFilter,
@@ -46,6 +45,7 @@ from queues.filters import (
     messages_page,
     messages_prefetch,
 )
+from queues.lib import clock
 from queues.models import (
     Attempt,
     DeliveryType,

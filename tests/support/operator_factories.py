@@ -12,8 +12,8 @@ from django.contrib.auth.models import Group, User
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from queues import clock
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import (
     DeliveryType,
     Link,

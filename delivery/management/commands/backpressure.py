@@ -15,7 +15,7 @@ from delivery.backpressure import store
 from delivery.backpressure.config import BackPressureConfig
 from delivery.backpressure.engine import Resource
 from delivery.models import ResourcePressure
-from queues import clock
+from queues.lib import clock
 
 HISTORY_SHOWN = 20  # the newest levels of the history, one letter each
 

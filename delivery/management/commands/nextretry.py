@@ -5,9 +5,8 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Q
 
-from queues import clock
+from queues.lib import clock, format_duration
 from queues.models import Link, Queue, RetryHint
-from queues.units import format_duration
 
 
 class Command(BaseCommand):

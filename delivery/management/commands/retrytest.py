@@ -29,7 +29,7 @@ from delivery.smtp.retryrules import (
     parse_error_name,
 )
 from delivery.smtp.retryschedule import ScheduledTry, projected_schedule
-from queues.units import format_duration, parse_duration
+from queues.lib import format_duration, parse_duration
 
 # A final cutoff this long is "never" (delivery.smtp.retry.FOREVER): project to expiry.
 NEVER_ENDS = timedelta(days=365)

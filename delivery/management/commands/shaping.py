@@ -19,7 +19,7 @@ from delivery.shaping import adaptive, gate, policy
 from delivery.shaping.limiter import Status, limiter
 from delivery.shaping.policy import Entry
 from delivery.smtp.types import RouteError
-from queues import clock
+from queues.lib import clock
 from queues.models import Link
 
 

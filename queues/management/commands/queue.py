@@ -16,9 +16,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from queues import clock
 from queues.filters import QUEUE_FILTERS, QueueFilter, queue_status, queues_page
 from queues.holdings import next_attempts
+from queues.lib import clock
 from queues.management.commands.message import add_actor_option, cli_actor
 from queues.models import Queue
 from queues.paging import FilterError, parse_limit

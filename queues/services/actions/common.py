@@ -10,7 +10,7 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import models, transaction
 
-from queues import clock
+from queues.lib import clock
 from queues.models import (
     AuditEntry,
     RecipientState,
@@ -115,7 +115,7 @@ def _audit(
 ) -> AuditEntry:
     """The audit entry (``ids``: what the operator named). ``changed``: the rows the
     action really changed, when it knows them; the message tracking log records
-    the action on those (tracking.hooks.on_audit), not on what was only named."""
+    the action on those (tracking.record.on_audit), not on what was only named."""
     entry = AuditEntry(
         created_at=clock.now(),
         actor=None if isinstance(actor, str) else actor,

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import transaction
 
-from queues import clock
+from queues.lib import clock
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     Message,

@@ -10,8 +10,8 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
-from queues import clock
 from queues.holdings import held_count, held_recipients_q, queue_messages
+from queues.lib import clock
 from queues.models import (
     WAITING_RECIPIENT_STATES,
     DeliveryType,

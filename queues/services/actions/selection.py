@@ -11,9 +11,9 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.db.models.functions import Lower
 
-from queues import clock
 from queues.bounce.rule import FAILURE, null_sender_q, wants_q
 from queues.holdings import held_count, holds_q
+from queues.lib import clock
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
