@@ -491,8 +491,9 @@ class InboundServer:
 DEFAULT_COMMIT_THREADS = 2
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # a batch holds at most this much message data
-# A committer thread reconnects after a batch this large: libpq's send buffer
-# grows to the statement's size and is only freed with the connection.
+# A committer thread reconnects after a batch of RELEASE_CONNECTION_ABOVE bytes
+# (above): libpq's send buffer grows to the statement's size and is only freed
+# with the connection.
 
 Job = tuple[concurrent.futures.Future, Any, Any]  # (future, envelope, data)
 
