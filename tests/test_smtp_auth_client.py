@@ -10,10 +10,9 @@ import trustme
 from django.core.exceptions import ImproperlyConfigured
 
 from delivery.checks import validate_routing_settings
-from delivery.smtp import tls as smtp_auth  # the next hop AUTH table lives with the TLS plan
 from delivery.smtp.client import deliver
 from delivery.smtp.connection import IMPLICIT_TLS_PORT, ClientConfig
-from delivery.smtp.tls import Credentials, plan, requirement
+from delivery.smtp.tls import Credentials, load_auth, lookup_auth, plan, requirement
 from delivery.smtp.types import BatchResult, NextHop
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate
@@ -36,13 +35,13 @@ def test_credentials_file(settings, tmp_path):
         "10.0.0.5 relay:pw allow-cleartext\n"
     )
     settings.MAILRELAY_SMTP_AUTH = str(path)
-    table = smtp_auth.load_auth()
-    assert smtp_auth.lookup_auth(table, ["[smtp.provider.test]:587"]) == GOOD
-    assert smtp_auth.lookup_auth(table, ["[10.0.0.5]:25", "10.0.0.5"]).allow_cleartext
+    table = load_auth()
+    assert lookup_auth(table, ["[smtp.provider.test]:587"]) == GOOD
+    assert lookup_auth(table, ["[10.0.0.5]:25", "10.0.0.5"]).allow_cleartext
     assert "s3cret" not in repr(table)  # never in logs
     # a mounted secret (MAILRELAY_SMTP_AUTH_FILE) gives the content itself
     settings.MAILRELAY_SMTP_AUTH = "[h]:25 u:p\nh2 u2:p2\n"
-    assert set(smtp_auth.load_auth()) == {"[h]:25", "h2"}
+    assert set(load_auth()) == {"[h]:25", "h2"}
     # a bad line stops start-up, naming it
     path.write_text("[h]:25 u:p\nh2 nocolon\n")
     settings.MAILRELAY_SMTP_AUTH = str(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from delivery.smtp import retry as c
+from delivery.smtp import retry
 from delivery.smtp.envelope import (
     BAD_RECIPIENT,
     BAD_SENDER,
@@ -193,7 +193,7 @@ def test_size_limit(declared, size, refused):
     got = build_envelope(msg(), data, {"SIZE": declared}, HOST)
     if refused:
         assert got == Refusal(
-            c.MAIL, "5.3.4", f"message size {size} exceeds size limit {declared} of {HOST}"
+            retry.MAIL, "5.3.4", f"message size {size} exceeds size limit {declared} of {HOST}"
         )
     else:
         assert isinstance(got, Envelope) and f"SIZE={size}".encode() in got.mail
@@ -229,7 +229,7 @@ def test_needs_smtputf8(fields, data, needed):
     got = build_envelope(m, data, {}, HOST)
     if needed:
         assert got == Refusal(
-            c.MAIL, "5.6.7", f"{HOST} does not support SMTPUTF8, which this message needs"
+            retry.MAIL, "5.6.7", f"{HOST} does not support SMTPUTF8, which this message needs"
         )
     else:
         assert isinstance(got, Envelope)
@@ -249,9 +249,9 @@ def test_size_is_checked_before_smtputf8():
     [
         (BAD_SENDER, "failed", "message"),
         (BAD_RECIPIENT, "failed", "recipient"),
-        (Refusal(c.MAIL, "5.3.4", "too big"), "failed", "message"),
-        (Refusal(c.MAIL, "5.6.7", "no SMTPUTF8"), "failed", "message"),
-        (Refusal(c.MAIL, "4.3.0", "cannot read the body"), "deferred", "message"),
+        (Refusal(retry.MAIL, "5.3.4", "too big"), "failed", "message"),
+        (Refusal(retry.MAIL, "5.6.7", "no SMTPUTF8"), "failed", "message"),
+        (Refusal(retry.MAIL, "4.3.0", "cannot read the body"), "deferred", "message"),
     ],
 )
 def test_refusal_classification(refusal, outcome, scope):

@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from delivery.smtp import retry as c
+from delivery.smtp import retry
 from delivery.smtp.connection import (
     IMPLICIT_TLS_PORT,
     READ_LIMIT,
@@ -166,13 +166,13 @@ class _Failure:
 
 
 _IN_REPLY_TO = {
-    c.GREETING: "the greeting",
-    c.EHLO: "EHLO",
-    c.STARTTLS: "STARTTLS",
-    c.MAIL: "MAIL FROM",
-    c.RCPT: "RCPT TO",
-    c.DATA: "DATA",
-    c.SESSION: "RSET",
+    retry.GREETING: "the greeting",
+    retry.EHLO: "EHLO",
+    retry.STARTTLS: "STARTTLS",
+    retry.MAIL: "MAIL FROM",
+    retry.RCPT: "RCPT TO",
+    retry.DATA: "DATA",
+    retry.SESSION: "RSET",
 }
 
 
@@ -272,9 +272,11 @@ class _Batch:
         req = self.requirement(target)
         if req.refuse:  # e.g. an MX that the MTA-STS policy does not list
             state.dead = True
-            text = c.strip_enhanced(req.refuse)
+            text = retry.strip_enhanced(req.refuse)
             return self._fail(
-                _Failure(c.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level)
+                _Failure(
+                    retry.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level
+                )
             )
         opened = await self._connect(target, state, req)
         if isinstance(opened, _Failure):
@@ -301,7 +303,7 @@ class _Batch:
             state.dead = True
             return self._fail(
                 _Failure(
-                    c.STARTTLS,
+                    retry.STARTTLS,
                     None,
                     f"TLS handshake failed (implicit TLS, port {target.port}): {exc}",
                     target,
@@ -315,7 +317,7 @@ class _Batch:
             state.dead = True
             return self._fail(
                 _Failure(
-                    c.CONNECT,
+                    retry.CONNECT,
                     None,
                     f"connect timeout after {cfg.connect_timeout:g}s",
                     target,
@@ -327,7 +329,7 @@ class _Batch:
             errno = getattr(exc, "errno", None)
             why = os.strerror(errno) if errno else str(exc) or type(exc).__name__
             return self._fail(
-                _Failure(c.CONNECT, None, f"connect failed: {why}", target, "refused")
+                _Failure(retry.CONNECT, None, f"connect failed: {why}", target, "refused")
             )
 
         conn = Connection(reader, writer, target, cfg)
@@ -348,13 +350,13 @@ class _Batch:
                     greeting = await conn.reply("greeting")
             except Exception as exc:  # noqa: BLE001
                 state.dead = True
-                raise conn.lost(exc, c.GREETING, cfg.command_timeout) from exc
+                raise conn.lost(exc, retry.GREETING, cfg.command_timeout) from exc
             if greeting.code // 100 != 2:
                 # A 4xx/5xx greeting may be per connection (too many from us),
                 # so the target stays available to the other connections.
-                raise SessionFailed(c.GREETING, greeting.code, greeting.text)
+                raise SessionFailed(retry.GREETING, greeting.code, greeting.text)
             self.connected = True
-            await conn.hello(c.EHLO)
+            await conn.hello(retry.EHLO)
             await self._secure(conn, state, req, use_tls)
             creds = cfg.auth_for(target) if cfg.auth_for is not None else None
             if creds is not None:
@@ -374,7 +376,7 @@ class _Batch:
         except Exception as exc:  # a bug must not escape as an exception
             log.exception("unexpected error opening %s", target.host)
             conn.abort()
-            return self._fail(_Failure(c.SESSION, None, f"internal error: {exc!r}", target))
+            return self._fail(_Failure(retry.SESSION, None, f"internal error: {exc!r}", target))
         except BaseException:  # cancelled: leave no socket behind
             conn.abort()
             raise
@@ -395,7 +397,7 @@ class _Batch:
                 if exc.code is None and req.require:
                     state.dead = True
                     raise SessionFailed(
-                        c.STARTTLS,
+                        retry.STARTTLS,
                         None,
                         f"TLS required ({req.level}) but the TLS handshake with {host} "
                         f"failed: {exc.text.removeprefix('TLS handshake failed: ')}",
@@ -412,7 +414,7 @@ class _Batch:
         if req.require and not conn.tls:
             state.dead = True
             raise SessionFailed(
-                c.STARTTLS,
+                retry.STARTTLS,
                 None,
                 f"TLS required ({req.level}) but not offered by {host}",
                 error=TLS_REQUIRED,
@@ -513,10 +515,10 @@ class _Batch:
             conn.abort()
             text = f"internal error: {exc!r}"
             if rec is not None:
-                rec.fill(c.SESSION, None, text)
+                rec.fill(retry.SESSION, None, text)
                 self.results.extend(rec.results())
                 remaining.popleft()
-            return self._fail(_Failure(c.SESSION, None, text, conn.target))
+            return self._fail(_Failure(retry.SESSION, None, text, conn.target))
         except BaseException:  # cancelled: leave no socket behind
             conn.abort()
             raise
@@ -543,7 +545,7 @@ class _Batch:
     ) -> None:
         failure = failure or self.last_failure
         if failure is None:  # no target at all
-            failure = _Failure(c.CONNECT, None, "no host to deliver to", _NoPeer())
+            failure = _Failure(retry.CONNECT, None, "no host to deliver to", _NoPeer())
         self.connection_error = failure.describe()
         security = failure.security or Security(policy=failure.tls_policy)
         for msg in remaining:

@@ -23,8 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from delivery.smtp import dane, mta_sts
-from delivery.smtp import retry as c
+from delivery.smtp import dane, mta_sts, retry
 from delivery.smtp.envelope import (
     BAD_RECIPIENT,
     DATA_LINE,
@@ -68,7 +67,7 @@ WRITE_CHUNK = 1024 * 1024
 END_MARK = b".\r\n"
 # Enhanced code for a reply we could not parse or would not read (RFC 3463:
 # 4.5.0 other or undefined protocol status).
-PROTOCOL_ENHANCED = c.PROTOCOL_ERROR_ENHANCED
+PROTOCOL_ENHANCED = retry.PROTOCOL_ERROR_ENHANCED
 END_OF_DATA = "end of data"
 # Next hops on this port speak TLS from the first byte (RFC 8314 "submissions").
 IMPLICIT_TLS_PORT = 465
@@ -152,7 +151,7 @@ class Reply(NamedTuple):
         codes repeated on continuation lines are dropped."""
         if len(self.lines) == 1:
             return self.lines[0]
-        return " ".join([self.lines[0], *(c.strip_enhanced(x) for x in self.lines[1:])])
+        return " ".join([self.lines[0], *(retry.strip_enhanced(x) for x in self.lines[1:])])
 
 
 class ClaimLost(Exception):
@@ -304,9 +303,9 @@ class Connection:
     async def starttls(self, context: ssl.SSLContext | None = None) -> bool:
         """STARTTLS and a fresh EHLO. Returns False when the peer declined
         (the session goes on in cleartext); raises when TLS broke the session."""
-        r = await self.command(b"STARTTLS\r\n", "STARTTLS", c.STARTTLS)
-        if r.code in c.CONNECTION_CODES:
-            raise SessionFailed(c.STARTTLS, r.code, r.text)
+        r = await self.command(b"STARTTLS\r\n", "STARTTLS", retry.STARTTLS)
+        if r.code in retry.CONNECTION_CODES:
+            raise SessionFailed(retry.STARTTLS, r.code, r.text)
         if r.code != 220:
             log.info(
                 "%s declined STARTTLS (%s %s); going on in cleartext",
@@ -318,7 +317,7 @@ class Connection:
         # Bytes already waiting after the 220 were sent in cleartext and
         # would be read as if protected (CVE-2011-0411): refuse them.
         if getattr(self.reader, "_buffer", b""):
-            raise SessionFailed(c.STARTTLS, None, "data after the STARTTLS reply (injection?)")
+            raise SessionFailed(retry.STARTTLS, None, "data after the STARTTLS reply (injection?)")
         self.waiting_for = "TLS handshake"
         try:
             async with asyncio.timeout(self.config.command_timeout):
@@ -329,9 +328,9 @@ class Connection:
             why = str(exc) or type(exc).__name__
             if isinstance(exc, TimeoutError):
                 why = f"timeout after {self.config.command_timeout:g}s"
-            raise SessionFailed(c.STARTTLS, None, f"TLS handshake failed: {why}") from exc
+            raise SessionFailed(retry.STARTTLS, None, f"TLS handshake failed: {why}") from exc
         self.tls_established()
-        await self.hello(c.EHLO)
+        await self.hello(retry.EHLO)
         return True
 
     def tls_established(self) -> None:
@@ -350,7 +349,7 @@ class Connection:
             chain = peer_chain(self.writer.get_extra_info("ssl_object"))
             if dane.match(req.tlsa, chain) is None:
                 raise SessionFailed(
-                    c.STARTTLS,
+                    retry.STARTTLS,
                     None,
                     f"TLS required ({req.level}) but no TLSA record of {self.target.host} "
                     "matches its certificate (DANE)",
@@ -377,7 +376,7 @@ class Connection:
         host = self.target.host
         if not self.tls and not creds.allow_cleartext:
             raise SessionFailed(
-                c.EHLO,
+                retry.EHLO,
                 None,
                 f"refusing to send AUTH credentials to {host} without TLS "
                 "(add allow-cleartext to its MAILRELAY_SMTP_AUTH line to allow it)",
@@ -387,7 +386,7 @@ class Connection:
         unverified = self.tls and self.security.verified not in VERIFIED_PEER
         if unverified and not (creds.allow_cleartext or self.config.auth_over_unverified_tls):
             raise SessionFailed(
-                c.EHLO,
+                retry.EHLO,
                 None,
                 f"refusing to send AUTH credentials to {host}: its TLS certificate was not "
                 f"verified (TLS policy {self.security.policy or 'may'}; give it the level verify, "
@@ -398,13 +397,13 @@ class Connection:
         offered = self.extensions.get("AUTH", "").upper().split()
         if "PLAIN" in offered:
             mechanism = "PLAIN"
-            r = await self.command(b"AUTH PLAIN " + creds.plain() + CRLF, "AUTH", c.EHLO)
+            r = await self.command(b"AUTH PLAIN " + creds.plain() + CRLF, "AUTH", retry.EHLO)
         elif "LOGIN" in offered:
             mechanism = "LOGIN"
             r = await self._auth_login(creds)
         else:
             raise SessionFailed(
-                c.EHLO,
+                retry.EHLO,
                 None,
                 f"{host} offers no AUTH PLAIN or LOGIN (offered: {' '.join(offered) or 'none'}); "
                 "credentials are configured for it",
@@ -419,30 +418,30 @@ class Connection:
         # keep the peer's enhanced code in its own field.
         label = "authentication failed (auth_failed)" if error else "authentication deferred"
         raise SessionFailed(
-            c.EHLO,
+            retry.EHLO,
             r.code,
-            f"{label}: {c.strip_enhanced(r.text)}",
+            f"{label}: {retry.strip_enhanced(r.text)}",
             error=error,
-            enhanced=c.parse_enhanced(r.text),
+            enhanced=retry.parse_enhanced(r.text),
             in_reply_to=f"AUTH {mechanism}",
         )
 
     async def _auth_login(self, creds: Credentials) -> Reply:
         """AUTH LOGIN: the user name and the password, each after a 334."""
-        r = await self.command(b"AUTH LOGIN\r\n", "AUTH", c.EHLO)
+        r = await self.command(b"AUTH LOGIN\r\n", "AUTH", retry.EHLO)
         for secret in (creds.username, creds.password):
             if r.code != 334:
                 return r
             answer = base64.b64encode(secret.encode()) + CRLF
-            r = await self.command(answer, "AUTH", c.EHLO)
+            r = await self.command(answer, "AUTH", retry.EHLO)
         return r
 
     # Sending one message ----------------------------------------------------------
 
     async def rset(self) -> None:
-        r = await self.command(b"RSET\r\n", "RSET", c.SESSION)
+        r = await self.command(b"RSET\r\n", "RSET", retry.SESSION)
         if r.code // 100 != 2:
-            raise SessionFailed(c.SESSION, r.code, r.text)
+            raise SessionFailed(retry.SESSION, r.code, r.text)
         self.need_rset = False
 
     async def send(
@@ -487,7 +486,7 @@ class Connection:
             return  # lock-step stopped before DATA: MAIL refused or no RCPT accepted
         if reply.code != 354:
             if accepted:
-                rec.set_many(accepted, c.DATA, reply.code, reply.text)
+                rec.set_many(accepted, retry.DATA, reply.code, reply.text)
             return
 
         self.waiting_for = END_OF_DATA
@@ -499,7 +498,7 @@ class Connection:
         except ClaimLost:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise self.lost(exc, c.SESSION, self.config.data_timeout) from exc
+            raise self.lost(exc, retry.SESSION, self.config.data_timeout) from exc
         self._end_transaction(reply, accepted, rec)
 
     async def _read_body(
@@ -517,7 +516,7 @@ class Connection:
         except Exception as exc:  # noqa: BLE001 - that message waits, the session goes on
             log.warning("cannot read the body of message %s: %r", msg.id, exc)
             text = f"cannot read the message body: {exc}"
-            rec.refuse(msg.recipients, Refusal(c.MAIL, "4.3.0", text))
+            rec.refuse(msg.recipients, Refusal(retry.MAIL, "4.3.0", text))
             return None
 
     async def _exchange(
@@ -536,7 +535,7 @@ class Connection:
         except SessionFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a result by lost()
-            raise self.lost(exc, c.SESSION, self.config.command_timeout) from exc
+            raise self.lost(exc, retry.SESSION, self.config.command_timeout) from exc
 
     async def _pipelined(
         self, envelope: Envelope, rec: Recorder
@@ -552,10 +551,10 @@ class Connection:
             if not mail_ok:
                 # Read and checked for 421 only: a 503 "need MAIL" says
                 # nothing about the recipient.
-                await self._checked_reply("RCPT TO", c.RCPT)
+                await self._checked_reply("RCPT TO", retry.RCPT)
             elif await self._rcpt_reply(rcpt, rec):
                 accepted.append(rcpt)
-        return await self._checked_reply("DATA", c.DATA), accepted
+        return await self._checked_reply("DATA", retry.DATA), accepted
 
     async def _lockstep(
         self, envelope: Envelope, rec: Recorder
@@ -579,29 +578,29 @@ class Connection:
             return None, accepted
         write(DATA_LINE)
         await drain()
-        return await self._checked_reply("DATA", c.DATA), accepted
+        return await self._checked_reply("DATA", retry.DATA), accepted
 
     async def _checked_reply(self, waiting_for: str, phase: str) -> Reply:
         """The next reply; a 421 ends the session (``SessionFailed``)."""
         r = await self.reply(waiting_for)
-        if r.code in c.CONNECTION_CODES:
+        if r.code in retry.CONNECTION_CODES:
             raise SessionFailed(phase, r.code, r.text)
         return r
 
     async def _mail_reply(self, envelope: Envelope, rec: Recorder) -> bool:
         """Whether MAIL was accepted; if not, its reply goes to every recipient sent."""
-        r = await self._checked_reply("MAIL FROM", c.MAIL)
+        r = await self._checked_reply("MAIL FROM", retry.MAIL)
         if r.code // 100 == 2:
             return True
-        rec.set_many(envelope.rcpts, c.MAIL, r.code, r.text)
+        rec.set_many(envelope.rcpts, retry.MAIL, r.code, r.text)
         return False
 
     async def _rcpt_reply(self, rcpt: OutboundRecipient, rec: Recorder) -> bool:
         """Whether ``rcpt`` was accepted; if not, it gets the reply."""
-        r = await self._checked_reply("RCPT TO", c.RCPT)
+        r = await self._checked_reply("RCPT TO", retry.RCPT)
         if r.code // 100 == 2:
             return True
-        rec.set(rcpt, c.RCPT, r.code, r.text)
+        rec.set(rcpt, retry.RCPT, r.code, r.text)
         return False
 
     async def _send_body(self, data: bytes | None) -> None:
@@ -628,10 +627,10 @@ class Connection:
         """The reply to the final dot closes the transaction (no RSET needed);
         it goes to the accepted recipients, unless it is a 421."""
         self.need_rset = False
-        if reply.code in c.CONNECTION_CODES:
-            raise SessionFailed(c.DATA, reply.code, reply.text)
+        if reply.code in retry.CONNECTION_CODES:
+            raise SessionFailed(retry.DATA, reply.code, reply.text)
         if accepted:
-            rec.set_many(accepted, c.DATA, reply.code, reply.text)
+            rec.set_many(accepted, retry.DATA, reply.code, reply.text)
 
     # Ending -------------------------------------------------------------------------
 

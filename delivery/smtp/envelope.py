@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from delivery.smtp import retry as c
+from delivery.smtp import retry
 from delivery.smtp.types import OutboundMessage, OutboundRecipient
 from queues.lib import header_end
 
@@ -37,12 +37,12 @@ class Refusal:
     enhanced: str
     text: str
 
-    def classification(self) -> c.Classification:
-        return c.classify_local(self.phase, self.enhanced)
+    def classification(self) -> retry.Classification:
+        return retry.classify_local(self.phase, self.enhanced)
 
 
-BAD_SENDER = Refusal(c.MAIL, "5.1.7", "invalid sender or MAIL parameters")
-BAD_RECIPIENT = Refusal(c.RCPT, "5.1.3", "invalid recipient or RCPT parameters")
+BAD_SENDER = Refusal(retry.MAIL, "5.1.7", "invalid sender or MAIL parameters")
+BAD_RECIPIENT = Refusal(retry.RCPT, "5.1.3", "invalid recipient or RCPT parameters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +104,11 @@ def build_envelope(
     limit = size_limit(extensions)
     if limit and len(data) > limit:
         text = f"message size {len(data)} exceeds size limit {limit} of {host}"
-        return Refusal(c.MAIL, "5.3.4", text)
+        return Refusal(retry.MAIL, "5.3.4", text)
     utf8 = needs_smtputf8(msg, data)
     if utf8 and "SMTPUTF8" not in extensions:
         text = f"{host} does not support SMTPUTF8, which this message needs"
-        return Refusal(c.MAIL, "5.6.7", text)
+        return Refusal(retry.MAIL, "5.6.7", text)
     mail = mail_line(msg, len(data), utf8 or msg.smtputf8, extensions)
     rcpts, lines, refused = rcpt_lines(msg.recipients, extensions)
     return Envelope(mail, rcpts, lines, refused)
