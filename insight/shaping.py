@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from delivery.shaping import gate, policy
+from delivery.shaping import gate
 from delivery.shaping import limiter as limiter_module
 from delivery.shaping.policy import Entry, Rate
 from queues.models import Link
@@ -69,7 +69,7 @@ def _when(score: float) -> datetime:
 def link_hold(link: Link, now: datetime) -> Hold | None:
     """The shaping limit holding ``link`` at ``now``, or None (no policy file,
     nothing used up, or Redis away: then the round goes on unshaped anyway)."""
-    pol = policy.current()
+    pol = gate.current()
     if pol is None:
         return None
     lim = limiter_module.limiter()

@@ -1,4 +1,4 @@
-"""The store's pure helpers: text, units, domains and header blocks.
+"""The store's pure helpers: text, units, domains, retry keys and header blocks.
 
 A leaf module (standard library, ``idna`` and Django's settings error only):
 the settings (``mailrelay.env``, ``mailrelay.settings``), the store, the
@@ -9,6 +9,7 @@ its own heading below:
 - **text**: the one NUL scrubber, for text from strangers;
 - **units**: parsing and formatting durations and sizes;
 - **domains**: one form of a domain (IDNA 2008 with UTS #46 mapping);
+- **retry keys**: what a retry hint is filed under, bounded for its index;
 - **headers**: reading the header block of a stored message;
 - **the clock**: the one ``clock`` every "now" comes from.
 """
@@ -16,6 +17,7 @@ its own heading below:
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -294,6 +296,64 @@ def domain_keys(setting: str, values: Iterable[str]) -> list[str]:
         if key not in keys:
             keys.append(key)
     return keys
+
+
+# ----------------------------------------------------------------------------
+# The keys the store's retry hints are filed under (queues.models.RetryHint;
+# Exim's hints database, §3 and §7 of its retry rules): a host error per host
+# and IP address, an RCPT 4xx per recipient and sender.
+# ----------------------------------------------------------------------------
+
+
+def normalise_sender(sender: str) -> str:
+    sender = sender.strip()
+    if sender.startswith("<") and sender.endswith(">"):
+        sender = sender[1:-1].strip()
+    return sender
+
+
+def host_key(host: str, ip: str | None = None, port: int | None = None) -> str:
+    """Key for host errors, per IP address as Exim keeps it (§7): ``T:host:ip[:port]``."""
+    key = f"T:{host.lower().rstrip('.')}"
+    if ip:
+        key += f":{ip}"
+    if port is not None:
+        key += f":{port}"
+    return bounded_key(key)
+
+
+# Keys are stored under a unique btree index (RetryHint.key, varchar(700); an
+# index row holds at most 2704 octets) and address keys are made of what
+# clients send. A key longer than MAX_KEY_BYTES octets of UTF-8 is stored as
+# its head and tail, readable, and the SHA-256 of the whole key: distinct
+# keys stay distinct, and every stored key fits. Keys of host names (at most
+# 253 octets) and of usual addresses are short enough to stay as they are.
+MAX_KEY_BYTES = 400
+_KEY_HEAD_BYTES = 200
+_KEY_TAIL_BYTES = 120
+
+
+def bounded_key(key: str) -> str:
+    """``key`` itself, or, when it is longer than MAX_KEY_BYTES octets,
+    ``<head>...<tail>#<sha256 of the key>``."""
+    raw = key.encode("utf-8", "surrogatepass")
+    if len(raw) <= MAX_KEY_BYTES:
+        return key
+    head = raw[:_KEY_HEAD_BYTES].decode("utf-8", "ignore")  # a cut character is dropped
+    tail = raw[-_KEY_TAIL_BYTES:].decode("utf-8", "ignore")
+    return f"{head}...{tail}#{hashlib.sha256(raw).hexdigest()}"
+
+
+def address_key(address: str, sender: str | None) -> str:
+    """Key for RCPT 4xx errors: the recipient combined with the sender (§3),
+    bounded (``bounded_key``): both come from the client.
+
+    ``sender=None`` delays the recipient regardless of sender (Exim's
+    ``address_retry_include_sender false``).
+    """
+    if sender is None:
+        return bounded_key(f"R:{address}")
+    return bounded_key(f"R:{address}:<{normalise_sender(sender)}>")
 
 
 # ----------------------------------------------------------------------------

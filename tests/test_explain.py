@@ -265,13 +265,13 @@ def test_a_link_held_by_a_shaping_rate_or_slot_is_explained(
     settings, tmp_path, broker, monkeypatch, smtp_port, sink_factory
 ):
     """A policy file, real Redis counters filled by real delivery rounds to a sink."""
-    from delivery.shaping import gate, limiter, policy
+    from delivery.shaping import gate, limiter
 
     path = tmp_path / "shaping.yaml"
     path.write_text(SHAPED)
     settings.MAILRELAY_SHAPING = str(path)
     settings.MAILRELAY_TRANSPORTS = f"shaped.test=[127.0.0.2]:{smtp_port}"
-    policy.reset()
+    gate.reset()
     gate._domains.clear()
     monkeypatch.setattr(gate, "ring_later", lambda link_id, s: None)
     sink = sink_factory("127.0.0.2")
@@ -304,7 +304,7 @@ def test_a_link_held_by_a_shaping_rate_or_slot_is_explained(
     # A connection slot held by another round (here: its lease for 5 minutes).
     lim = limiter.limiter()
     link = Recipient.objects.get(message=waiting).queue.link
-    scope = gate.scope_of(gate.entry_for(link, policy.current()), link.pk)
+    scope = gate.scope_of(gate.entry_for(link, gate.current()), link.pk)
     held = lim.acquire(
         scope,
         now=clock.now().timestamp(),
@@ -325,6 +325,6 @@ def test_a_link_held_by_a_shaping_rate_or_slot_is_explained(
     assert abs((lease_end - clock.now() - timedelta(minutes=5)).total_seconds()) < 2
     # Without the policy file nothing is shaped (and Redis is not asked).
     settings.MAILRELAY_SHAPING = ""
-    policy.reset()
+    gate.reset()
     assert _first(waiting).reason == "due"
-    policy.reset()
+    gate.reset()

@@ -18,10 +18,9 @@ import pytest
 from django.db import OperationalError, connection, transaction
 
 from delivery.qmgr import ownership
-from delivery.smtp.retryschedule import MAX_KEY_BYTES, address_key, bounded_key
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.dberrors import is_outage
-from queues.lib import clock
+from queues.lib import MAX_KEY_BYTES, address_key, bounded_key, clock
 from queues.models import DeliveryType, Message, Recipient, RecipientState, RetryHint
 from tests.support.pipeline import drain
 

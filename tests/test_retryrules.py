@@ -27,14 +27,13 @@ from delivery.smtp.retryrules import (
 from delivery.smtp.retryschedule import (
     RetryData,
     TryDecision,
-    address_key,
     combine_decisions,
-    host_key,
     may_try,
     next_retry,
     projected_schedule,
     record_failure,
 )
+from queues.lib import address_key, host_key
 
 T0 = datetime(2024, 3, 1, 12, 0, tzinfo=UTC)
 S = timedelta(seconds=1)

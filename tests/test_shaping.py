@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
-from delivery.shaping import gate, limiter, policy
+from delivery.shaping import gate, limiter
 from delivery.shaping.adaptive import describe, is_throttle
 from delivery.shaping.policy import PolicyError, Rate, parse, parse_rate
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
@@ -76,11 +76,11 @@ def shaping(settings, tmp_path, broker, monkeypatch) -> Iterator[Shaping]:
     state = Shaping(tmp_path / "shaping.yaml")
     state.write(PROVIDER)
     settings.MAILRELAY_SHAPING = str(state.path)
-    policy.reset()
+    gate.reset()
     monkeypatch.setattr(gate, "ring_later", lambda link_id, s: state.wakes.append((link_id, s)))
     gate._domains.clear()
     yield state
-    policy.reset()
+    gate.reset()
 
 
 @dataclass
@@ -234,19 +234,19 @@ def test_a_bad_toml_file_names_its_line():
 
 
 def test_the_policy_is_reread_on_change_and_a_bad_file_keeps_the_old(shaping, caplog):
-    first = policy.current()
+    first = gate.current()
     assert [e.name for e in first.entries] == ["provider", "bound"]
-    assert policy.current() is first  # unchanged file: not read again
+    assert gate.current() is first  # unchanged file: not read again
     shaping.write(PROVIDER.replace("10/min", "20/min"))
-    second = policy.current()
+    second = gate.current()
     assert second.entries[0].max_message_rate == Rate(20, 60.0)
     shaping.write(PROVIDER.replace("10/min", "20 a minute"))
-    assert policy.current() is second  # refused: the old one stays
-    assert "line 7" in policy.last_error() and "not a rate" in policy.last_error()
+    assert gate.current() is second  # refused: the old one stays
+    assert "line 7" in gate.last_error() and "not a rate" in gate.last_error()
     assert any("line 7" in r.getMessage() for r in caplog.records)
     shaping.write(PROVIDER.replace("10/min", "30/min"))
-    assert policy.current().entries[0].max_message_rate == Rate(30, 60.0)
-    assert policy.last_error() == ""
+    assert gate.current().entries[0].max_message_rate == Rate(30, 60.0)
+    assert gate.last_error() == ""
 
 
 # --- the shared counters ------------------------------------------------------------
@@ -352,7 +352,7 @@ def test_a_throttling_reply_halves_the_limits_and_they_recover(shaping, relay, s
     )
     accept("t@a.shaped.test")
     drain()
-    entry = policy.current().entries[0]
+    entry = gate.current().entries[0]
     lim = limiter.limiter()
     status = lim.status("entry:provider", clock.now().timestamp(), (60.0, 60.0))
     assert status.factor == 0.5
@@ -385,7 +385,7 @@ def test_an_entry_removed_while_its_round_runs_costs_no_delivery_record(
 
     def observe_then_remove(self, batch):  # after the exchange, before the record
         shaping.write("entries: []\n")
-        assert policy.current().entries == ()
+        assert gate.current().entries == ()
         removed.append(self.entry.name)
         return observe(self, batch)
 
@@ -419,7 +419,7 @@ def test_the_source_address_and_helo_name_of_an_entry_are_used(
 
 def test_without_a_policy_file_nothing_touches_redis(settings, relay, sink_factory, monkeypatch):
     settings.MAILRELAY_SHAPING = ""
-    policy.reset()
+    gate.reset()
 
     def no_redis():
         raise AssertionError("the default path must not use Redis")

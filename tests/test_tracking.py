@@ -244,7 +244,7 @@ def test_lines_queued_at_a_normal_exit_are_written(tmp_path):
         "from django.conf import settings\n"
         f"settings.configure(MAILRELAY_EVENT_LOG={str(path)!r})\n"
         "from tracking import eventlog\n"
-        "eventlog._emit([f'{{\"i\": {i}}}\\n' for i in range(50000)])\n"
+        "eventlog.emit([f'{{\"i\": {i}}}\\n' for i in range(50000)])\n"
     )
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", script], cwd=root, check=True, timeout=60)

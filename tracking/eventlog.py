@@ -1,7 +1,7 @@
 """The JSON-lines event log (``MAILRELAY_EVENT_LOG``): one line per tracking event.
 
-Lines are handed over after the commit of their transaction
-(``transaction.on_commit``) to a writer thread through a bounded queue, so a
+Lines are handed over (by ``tracking.record``) after the commit of their
+transaction (``transaction.on_commit``) to a writer thread through a bounded queue, so a
 slow disk or a stalled pipe never holds a delivery: when the queue is full
 the lines are dropped and counted (a warning says how many). Best effort:
 lines still queued when the process is killed (kill -9, os._exit) are lost;
@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
 
 log = logging.getLogger(__name__)
 
@@ -174,15 +173,14 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def after_commit(rows: Iterable[Any]) -> None:
-    """Write these rows' lines once their transaction commits (nothing if it rolls back)."""
-    if not settings.MAILRELAY_EVENT_LOG:
-        return
-    lines = [json.dumps(as_dict(r), default=str, ensure_ascii=False) + "\n" for r in rows]
-    transaction.on_commit(lambda: _emit(lines))
+def lines_of(rows: Iterable[Any]) -> list[str]:
+    """The rows' lines, as ``emit`` takes them (tracking.record hands them over
+    once their transaction commits)."""
+    return [json.dumps(as_dict(r), default=str, ensure_ascii=False) + "\n" for r in rows]
 
 
-def _emit(lines: list[str]) -> None:
+def emit(lines: list[str]) -> None:
+    """Queue ``lines`` for the writer thread (dropped and counted when it is full)."""
     writer = _get_writer()
     if writer is not None:
         writer.put(lines)

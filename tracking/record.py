@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from celery import current_app
+from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 
 from queues.bulk import insert_json, jsonb_payload, jsonb_rows
@@ -150,7 +151,7 @@ def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
     if not own_savepoint:
         insert(rows)
         enqueue(rows)
-        eventlog.after_commit(rows)
+        _log_after_commit(rows)
         return
     # In a savepoint of its own: a tracking row that cannot be written (a lock
     # timeout behind partition maintenance, a value the table refuses) must not
@@ -169,7 +170,17 @@ def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
         # A row the table refuses loses only itself: the others one by one.
         log.warning("could not write a batch of %d tracking rows (%s); row by row", len(rows), exc)
         rows = [row for row in rows if _write_one(row)]
-    eventlog.after_commit(rows)
+    _log_after_commit(rows)
+
+
+def _log_after_commit(rows: Sequence[Row]) -> None:
+    """Hand the rows' event-log lines to ``tracking.eventlog`` once their
+    transaction commits: nothing when ``MAILRELAY_EVENT_LOG`` is off, nothing
+    if it rolls back."""
+    if not settings.MAILRELAY_EVENT_LOG:
+        return
+    lines = eventlog.lines_of(rows)
+    transaction.on_commit(lambda: eventlog.emit(lines))
 
 
 # Errors of the moment (a lock or statement timeout, a deadlock, a lost

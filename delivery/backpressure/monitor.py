@@ -42,7 +42,7 @@ from delivery.backpressure.samplers import (
     Sampler,
     default_samplers,
 )
-from delivery.outage import OUTAGE, is_unavailable
+from delivery.qmgr.ownership import OUTAGE, is_unavailable
 from queues.models import EventLevel
 
 log = logging.getLogger(__name__)

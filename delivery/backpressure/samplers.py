@@ -53,25 +53,14 @@ class ManualSampler:
 class InFlight:
     """Messages received by this process and not yet committed: the version buckets.
 
-    The ingress adds one when a message's data has been received and takes it
-    away when its commit has finished (committed or failed).
+    The ingress counts ``value`` up when a message's data has been received
+    and down when its commit has finished (committed or failed). Both happen
+    on the ingress's event loop, its only writer; the sampler's thread reads
+    it. A plain attribute: the hot path calls nothing here.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._value = 0
-
-    @property
-    def value(self) -> int:
-        return self._value
-
-    def add(self, n: int = 1) -> None:
-        with self._lock:
-            self._value += n
-
-    def done(self, n: int = 1) -> None:
-        with self._lock:
-            self._value = max(0, self._value - n)
+        self.value = 0
 
 
 class VersionBucketsSampler:

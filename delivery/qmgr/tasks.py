@@ -13,9 +13,9 @@ import time
 from celery import shared_task
 from django.conf import settings
 
-from delivery.outage import waits_for_database
 from delivery.qmgr import bell
 from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.ownership import waits_for_database
 from delivery.qmgr.sweep import reclaim as reclaim_now
 from delivery.qmgr.sweep import sweep as sweep_now
 from delivery.smtp.deliver import deliver_link as deliver_link_now

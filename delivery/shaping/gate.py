@@ -1,7 +1,8 @@
 """What a delivery round asks the shaping policy (hooks in delivery.smtp.deliver).
 
-Per round, with a ``MAILRELAY_SHAPING`` file (without one: nothing here runs,
-no Redis, the built-in limits as before):
+``current`` is the policy in force, read again when its file changes. Per
+round, with a ``MAILRELAY_SHAPING`` file (without one: ``open_round`` returns
+at once, no Redis, the built-in limits as before):
 
 1. ``open_round``: match the link to an entry, then one Redis script grants
    connection slots and message/connection sends from the shared counters
@@ -22,6 +23,7 @@ this link alone (no shared counters), so mail neither stops nor loops.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -49,6 +51,71 @@ _domains: dict[int, tuple[float, tuple[str, ...]]] = {}
 _open: dict[str, ShapedRound] = {}
 _open_lock = threading.Lock()
 MAX_COUNTDOWN = 3000.0
+
+
+# --- the current policy, re-read when the file changes -------------------------------
+
+
+@dataclass
+class _State:
+    stamp: tuple | None = None
+    policy: Policy | None = None
+    error: str = ""  # why the file on disk is not in force ("" when it is)
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def _path() -> str:
+    return settings.MAILRELAY_SHAPING
+
+
+def current() -> Policy | None:
+    """The policy in force: None without ``MAILRELAY_SHAPING`` (the built-in
+    behaviour, no shared counters). The file is stat'ed on each call and read
+    again when it changed; a file that cannot be used is refused (logged with
+    its line and reason, ``last_error``) and the policy before stays."""
+    path = _path()
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+        stamp: tuple | None = (path, st.st_mtime_ns, st.st_size, st.st_ino)
+    except OSError as exc:
+        stamp = (path, "missing", str(exc))
+    if stamp == _state.stamp:
+        return _state.policy
+    with _lock:
+        if stamp == _state.stamp:
+            return _state.policy
+        _state.stamp = stamp
+        try:
+            if stamp[1] == "missing":
+                raise policy.PolicyError(None, f"cannot read the file: {stamp[2]}")
+            fresh = policy.read(path)
+        except (policy.PolicyError, OSError, UnicodeDecodeError) as exc:
+            _state.error = f"MAILRELAY_SHAPING {path}: {exc}"
+            if _state.policy is None:
+                # Nothing read before: shape with the built-in default only.
+                _state.policy = Policy((), policy.builtin_default(), path)
+            log.error("%s; the policy read before stays in force", _state.error)
+        else:
+            if _state.policy is not None:
+                log.warning("MAILRELAY_SHAPING %s re-read: %d entries", path, len(fresh.entries))
+            _state.policy, _state.error = fresh, ""
+        return _state.policy
+
+
+def last_error() -> str:
+    return _state.error
+
+
+def reset() -> None:
+    """Forget the policy read (tests)."""
+    global _state
+    with _lock:
+        _state = _State()
 
 
 def scope_of(entry: Entry, link_id: int | None) -> str:
@@ -224,7 +291,7 @@ def ring_later(link_id: int, seconds: float) -> None:
 
 def open_round(link: Link, config: ClientConfig, owner: str) -> ShapedRound | None:
     """The round's shaping, or None without a policy file (the built-in behaviour)."""
-    pol = policy.current()
+    pol = current()
     if pol is None:
         return None
     entry = entry_for(link, pol)
@@ -290,7 +357,7 @@ def effective_limits(link: Link | None) -> str:
     policy file), e.g. "1 conn, 20 msg/conn, 5/min messages (halved after
     421 4.7.0 slow down at 10:32 UTC)". One Redis read per scope every
     SHOWN_TTL seconds at most, so a page of queues costs a few."""
-    pol = policy.current()
+    pol = current()
     if pol is None or link is None:
         return ""
     entry = entry_for(link, pol)

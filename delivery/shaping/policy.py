@@ -1,17 +1,16 @@
-"""The shaping policy file (``MAILRELAY_SHAPING``): parse, validate, match, reload.
+"""The shaping policy file (``MAILRELAY_SHAPING``): parse, validate, match.
 
 YAML (``.yaml``/``.yml``) or TOML (``.toml``); the schema is in
 docs/shaping.md. A file that cannot be used is refused with its line and the
-reason, and the policy read before stays in force (``current``).
+reason, and the policy read before stays in force (``delivery.shaping.gate.
+current``, which reads the file again when it changes).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import re
-import threading
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -297,7 +296,7 @@ def _entry(
     return entry
 
 
-def _builtin_default() -> Entry:
+def builtin_default() -> Entry:
     """The default entry when the file gives none: the global settings."""
     from django.conf import settings
 
@@ -328,7 +327,7 @@ def parse(text: str, fmt: str = "yaml", source: str = "") -> Policy:
         return where
 
     default = _entry(
-        DEFAULT, data.get("default") or {}, _builtin_default(), at("default"), default=True
+        DEFAULT, data.get("default") or {}, builtin_default(), at("default"), default=True
     )
     raw_entries = data.get("entries") or []
     if not isinstance(raw_entries, list):
@@ -424,73 +423,6 @@ def read(path: str) -> Policy:
         text = handle.read()
     fmt = "toml" if path.lower().endswith(".toml") else "yaml"
     return parse(text, fmt, source=path)
-
-
-# --- the current policy, re-read when the file changes -------------------------------
-
-
-@dataclass
-class _State:
-    stamp: tuple | None = None
-    policy: Policy | None = None
-    error: str = ""  # why the file on disk is not in force ("" when it is)
-
-
-_state = _State()
-_lock = threading.Lock()
-
-
-def _path() -> str:
-    from django.conf import settings
-
-    return settings.MAILRELAY_SHAPING
-
-
-def current() -> Policy | None:
-    """The policy in force: None without ``MAILRELAY_SHAPING`` (the built-in
-    behaviour, no shared counters). The file is stat'ed on each call and read
-    again when it changed; a file that cannot be used is refused (logged with
-    its line and reason, ``last_error``) and the policy before stays."""
-    path = _path()
-    if not path:
-        return None
-    try:
-        st = os.stat(path)
-        stamp: tuple | None = (path, st.st_mtime_ns, st.st_size, st.st_ino)
-    except OSError as exc:
-        stamp = (path, "missing", str(exc))
-    if stamp == _state.stamp:
-        return _state.policy
-    with _lock:
-        if stamp == _state.stamp:
-            return _state.policy
-        _state.stamp = stamp
-        try:
-            if stamp[1] == "missing":
-                raise PolicyError(None, f"cannot read the file: {stamp[2]}")
-            policy = read(path)
-        except (PolicyError, OSError, UnicodeDecodeError) as exc:
-            _state.error = f"MAILRELAY_SHAPING {path}: {exc}"
-            if _state.policy is None:
-                # Nothing read before: shape with the built-in default only.
-                _state.policy = Policy((), _builtin_default(), path)
-            log.error("%s; the policy read before stays in force", _state.error)
-        else:
-            if _state.policy is not None:
-                log.warning("MAILRELAY_SHAPING %s re-read: %d entries", path, len(policy.entries))
-            _state.policy, _state.error = policy, ""
-        return _state.policy
-
-
-def last_error() -> str:
-    return _state.error
-
-
-def reset() -> None:
-    """Forget the policy read (tests)."""
-    global _state
-    with _lock:
-        _state = _State()
 
 
 def seconds_text(secs: float) -> str:

@@ -43,15 +43,13 @@ from delivery.smtp.retryschedule import (
     NextRetry,
     RetryData,
     TryDecision,
-    address_key,
     combine_decisions,
-    host_key,
     may_try,
     next_retry,
     record_failure,
 )
 from delivery.smtp.types import HostFailure, RecipientResult
-from queues.lib import format_duration, scrub_nul
+from queues.lib import address_key, format_duration, host_key, scrub_nul
 from queues.models import RetryHint
 
 T = TypeVar("T")

@@ -34,7 +34,13 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
-from queues.lib import DomainError, domain_key, format_duration, parse_duration
+from queues.lib import (
+    DomainError,
+    domain_key,
+    format_duration,
+    normalise_sender,
+    parse_duration,
+)
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -449,13 +455,6 @@ class Rule:
 
     def matches_key(self, key: str) -> bool:
         return _match_list(self._pattern_items, key)
-
-
-def normalise_sender(sender: str) -> str:
-    sender = sender.strip()
-    if sender.startswith("<") and sender.endswith(">"):
-        sender = sender[1:-1].strip()
-    return sender
 
 
 @dataclass(frozen=True)

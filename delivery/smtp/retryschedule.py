@@ -14,7 +14,6 @@ computed (and tested) in microseconds.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from collections.abc import Iterable
@@ -29,7 +28,6 @@ from delivery.smtp.retryrules import (
     ParamSet,
     RetryOptions,
     Rule,
-    normalise_sender,
 )
 
 _ZERO = timedelta(0)
@@ -196,50 +194,6 @@ class RetryData:
     expired: bool = False
     error: str = ""
     text: str = ""
-
-
-def host_key(host: str, ip: str | None = None, port: int | None = None) -> str:
-    """Key for host errors, per IP address as Exim keeps it (§7): ``T:host:ip[:port]``."""
-    key = f"T:{host.lower().rstrip('.')}"
-    if ip:
-        key += f":{ip}"
-    if port is not None:
-        key += f":{port}"
-    return bounded_key(key)
-
-
-# Keys are stored under a unique btree index (RetryHint.key, varchar(700); an
-# index row holds at most 2704 octets) and address keys are made of what
-# clients send. A key longer than MAX_KEY_BYTES octets of UTF-8 is stored as
-# its head and tail, readable, and the SHA-256 of the whole key: distinct
-# keys stay distinct, and every stored key fits. Keys of host names (at most
-# 253 octets) and of usual addresses are short enough to stay as they are.
-MAX_KEY_BYTES = 400
-_KEY_HEAD_BYTES = 200
-_KEY_TAIL_BYTES = 120
-
-
-def bounded_key(key: str) -> str:
-    """``key`` itself, or, when it is longer than MAX_KEY_BYTES octets,
-    ``<head>...<tail>#<sha256 of the key>``."""
-    raw = key.encode("utf-8", "surrogatepass")
-    if len(raw) <= MAX_KEY_BYTES:
-        return key
-    head = raw[:_KEY_HEAD_BYTES].decode("utf-8", "ignore")  # a cut character is dropped
-    tail = raw[-_KEY_TAIL_BYTES:].decode("utf-8", "ignore")
-    return f"{head}...{tail}#{hashlib.sha256(raw).hexdigest()}"
-
-
-def address_key(address: str, sender: str | None) -> str:
-    """Key for RCPT 4xx errors: the recipient combined with the sender (§3),
-    bounded (``bounded_key``): both come from the client.
-
-    ``sender=None`` delays the recipient regardless of sender (Exim's
-    ``address_retry_include_sender false``).
-    """
-    if sender is None:
-        return bounded_key(f"R:{address}")
-    return bounded_key(f"R:{address}:<{normalise_sender(sender)}>")
 
 
 def is_stale(hint: RetryData, now: datetime, options: RetryOptions = DEFAULT_OPTIONS) -> bool:

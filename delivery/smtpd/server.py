@@ -57,8 +57,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError, connection, connections
 
 from delivery.backpressure.samplers import InFlight
-from delivery.outage import OUTAGE, first_line, is_unavailable
 from delivery.qmgr import bell
+from delivery.qmgr.ownership import OUTAGE, first_line, is_unavailable
 from delivery.smtpd import policy
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION, SUBMISSIONS, InboundConfig
@@ -379,13 +379,13 @@ class InboundServer:
         once the message's transaction committed.
         """
         assert self.loop is not None and self._committer is not None
-        self.uncommitted.add()  # received, not committed: from now on
+        self.uncommitted.value += 1  # received, not committed: from now on (loop only)
         try:
             prepared = await self.in_database(prepare_message, envelope, data)
             assert isinstance(prepared, PreparedMessage)
             committed = self._committer.submit(prepared, data)
         except BaseException:
-            self.uncommitted.done()
+            self.uncommitted.value -= 1
             raise
         future = asyncio.wrap_future(committed, loop=self.loop)
         self._stores.add(future)
@@ -394,7 +394,7 @@ class InboundServer:
 
     def _stored(self, future: asyncio.Future) -> None:
         self._stores.discard(future)
-        self.uncommitted.done()
+        self.uncommitted.value -= 1
         if not future.cancelled() and future.exception() is None:
             assert self._bell is not None
             self._bell.request()

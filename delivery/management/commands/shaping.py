@@ -71,7 +71,7 @@ class Command(BaseCommand):
         parser.add_argument("domain", nargs="?", help="for test: a recipient domain")
 
     def handle(self, *args, **options) -> None:
-        pol = policy.current()
+        pol = gate.current()
         if pol is None:
             self.stdout.write(
                 "MAILRELAY_SHAPING is not set: every next hop gets "
@@ -79,8 +79,8 @@ class Command(BaseCommand):
                 f"{settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION} messages, no shared counters."
             )
             return
-        if policy.last_error():
-            self.stderr.write(f"NOT IN FORCE: {policy.last_error()}")
+        if gate.last_error():
+            self.stderr.write(f"NOT IN FORCE: {gate.last_error()}")
         if options["action"] == "show":
             self._show(pol)
         else:
