@@ -30,8 +30,7 @@ from django.db.models import Q
 from delivery.smtp import retry
 from delivery.smtp.retryrules import Rule, parse_rules
 from delivery.smtp.retryschedule import projected_schedule
-from queues.bounce import rule as dsn_rule
-from queues.lib import format_duration
+from queues.lib import DSN_DELAY, dsn_wanted, format_duration
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     Attempt,
@@ -582,7 +581,7 @@ def _schedule(
     delay_at = None
     if (
         not r.delay_dsn_sent
-        and dsn_rule.wants(dsn_rule.DELAY, r.notify, message.mail_from)
+        and dsn_wanted(DSN_DELAY, r.notify, message.mail_from)
         and message.source != "dsn"
     ):
         delay_at = message.received_at + settings.MAILRELAY_DELAY_NOTIFICATION_TIMEOUT

@@ -1,11 +1,12 @@
 """Prometheus instruments: the counters and histograms every process increments.
 
-A leaf module (prometheus_client and django.db.transaction only), so the
-queue store, the engine and the SMTP ingress can all import it without an
-import cycle — as they import settings. What is a fact of the database
-(messages by state, queue depth, back-pressure readings) is not counted
-here: ``delivery.metrics`` reads it at scrape time (this module is
-``counters``, not ``metrics``, so the two never shadow each other).
+A leaf module (prometheus_client, django.db.transaction and the leaf
+``queues.lib`` only, for the DSN kinds), so the queue store, the engine and
+the SMTP ingress can all import it without an import cycle — as they import
+settings. What is a fact of the database (messages by state, queue depth,
+back-pressure readings) is not counted here: ``delivery.metrics`` reads it
+at scrape time (this module is ``counters``, not ``metrics``, so the two
+never shadow each other).
 
 Several processes (ingress, workers, web) each count their own events. With
 ``PROMETHEUS_MULTIPROC_DIR`` set in the environment of every process
@@ -27,6 +28,8 @@ from typing import Any, TypeVar
 from django.db import transaction
 from prometheus_client import Counter, Histogram, disable_created_metrics
 
+from queues.lib import DSN_KINDS
+
 T = TypeVar("T")
 
 # The *_created series (when a counter was created) exist only in single-process
@@ -36,7 +39,6 @@ disable_created_metrics()
 SOURCES = ("smtp", "pickup", "replay")
 REPLY_CLASSES = ("2xx", "3xx", "4xx", "5xx", "none")
 FAILURE_REASONS = ("permanent", "retry_timeout", "expired")
-DSN_KINDS = ("failure", "delay", "success")  # queues.bounce.dsn.KINDS
 PICKUP_OUTCOMES = ("submitted", "bad")
 
 MESSAGES_ACCEPTED = Counter(

@@ -1,4 +1,5 @@
-"""The store's pure helpers: text, units, domains, retry keys and header blocks.
+"""The store's pure helpers: text, units, domains, retry keys, the NOTIFY rule
+and header blocks.
 
 A leaf module (standard library, ``idna`` and Django's settings error only):
 the settings (``mailrelay.env``, ``mailrelay.settings``), the store, the
@@ -10,6 +11,7 @@ its own heading below:
 - **units**: parsing and formatting durations and sizes;
 - **domains**: one form of a domain (IDNA 2008 with UTS #46 mapping);
 - **retry keys**: what a retry hint is filed under, bounded for its index;
+- **the NOTIFY rule**: who is owed which delivery status notification;
 - **headers**: reading the header block of a stored message;
 - **the clock**: the one ``clock`` every "now" comes from.
 """
@@ -24,10 +26,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from email.header import decode_header, make_header
 from email.utils import getaddresses
+from typing import TYPE_CHECKING
 
 import idna
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
+
+if TYPE_CHECKING:
+    from django.db.models import Q
 
 # ----------------------------------------------------------------------------
 # Text from strangers, made storable: the one NUL scrubber.
@@ -354,6 +360,68 @@ def address_key(address: str, sender: str | None) -> str:
     if sender is None:
         return bounded_key(f"R:{address}")
     return bounded_key(f"R:{address}:<{normalise_sender(sender)}>")
+
+
+# ----------------------------------------------------------------------------
+# The NOTIFY rule (RFC 3461), written once: who is owed which report. The DSN
+# builder and notifier (queues.bounce), the delivery round (a "relayed" report
+# owed on success), the operator's preview of a removal's NDRs (``dsn_wanted_q``,
+# the same rule as a query) and the explain page all ask here.
+# ----------------------------------------------------------------------------
+
+# Kinds, named after the NOTIFY keywords (RFC 3461 §4.1).
+DSN_FAILURE = "failure"
+DSN_DELAY = "delay"
+DSN_SUCCESS = "success"
+DSN_KINDS = (DSN_FAILURE, DSN_DELAY, DSN_SUCCESS)
+
+# Defaults when NOTIFY was not given (RFC 3461 §4.1 leaves it to us; FAILURE,DELAY
+# is what Postfix, Exim and Exchange do).
+DEFAULT_NOTIFY = frozenset({DSN_FAILURE, DSN_DELAY})
+
+
+def null_sender(mail_from: str) -> bool:
+    """Reports never go to the null sender (RFC 5321 §4.5.5, RFC 3461 §6.2: a
+    report about a report could loop forever)."""
+    return mail_from.strip() in ("", "<>")
+
+
+def dsn_wanted(kind: str, notify: str, mail_from: str) -> bool:
+    """Whether a ``kind`` report is owed for a recipient with this NOTIFY value.
+
+    Never to the null sender; NOTIFY=NEVER wants none; no NOTIFY means
+    FAILURE,DELAY; otherwise exactly the listed kinds.
+    """
+    if kind not in DSN_KINDS:
+        raise ValueError(f"unknown DSN kind {kind!r}")
+    if null_sender(mail_from):
+        return False
+    keywords = {word.strip().lower() for word in notify.split(",") if word.strip()}
+    if not keywords:
+        return kind in DEFAULT_NOTIFY
+    if "never" in keywords:
+        return False
+    return kind in keywords
+
+
+def dsn_wanted_q(kind: str, prefix: str = "") -> Q:
+    """``dsn_wanted`` on recipient rows, as a query (``prefix``: the path to the
+    recipient, e.g. "recipients__"); the null-sender part is the message's,
+    ``null_sender_q``."""
+    from django.db.models import Q
+
+    if kind not in DSN_KINDS:
+        raise ValueError(f"unknown DSN kind {kind!r}")
+    notify = f"{prefix}notify"
+    listed = Q(**{f"{notify}__icontains": kind}) & ~Q(**{f"{notify}__icontains": "never"})
+    return Q(**{notify: ""}) | listed if kind in DEFAULT_NOTIFY else listed
+
+
+def null_sender_q(prefix: str = "") -> Q:
+    """``null_sender`` on message rows, as a query."""
+    from django.db.models import Q
+
+    return Q(**{f"{prefix}mail_from__in": ("", "<>")})
 
 
 # ----------------------------------------------------------------------------

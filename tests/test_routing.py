@@ -11,6 +11,8 @@ from django.core.exceptions import ImproperlyConfigured
 from delivery.checks import validate_routing_settings
 from delivery.route.dns import make_resolver, parse_nameserver
 from delivery.route.routing import (
+    NextHop,
+    RouteError,
     Router,
     Target,
     link_name,
@@ -20,7 +22,6 @@ from delivery.route.routing import (
     parse_transports,
     sort_mx,
 )
-from delivery.smtp.types import NextHop, RouteError
 from tests.support.dns import free_udp_port
 
 # --- parsing (pure) -------------------------------------------------------------

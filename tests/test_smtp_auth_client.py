@@ -10,10 +10,11 @@ import trustme
 from django.core.exceptions import ImproperlyConfigured
 
 from delivery.checks import validate_routing_settings
+from delivery.route.routing import NextHop
 from delivery.smtp.client import deliver
 from delivery.smtp.connection import IMPLICIT_TLS_PORT, ClientConfig
 from delivery.smtp.tls import Credentials, load_auth, lookup_auth, plan, requirement
-from delivery.smtp.types import BatchResult, NextHop
+from delivery.smtp.types import BatchResult
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate
 

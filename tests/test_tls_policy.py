@@ -14,10 +14,11 @@ import trustme
 from django.core.exceptions import ImproperlyConfigured
 
 from delivery.checks import validate_routing_settings
+from delivery.route.routing import NextHop
 from delivery.smtp import tls as tls_policy
 from delivery.smtp.client import deliver
 from delivery.smtp.tls import TlsRequirement, level_for, parse_policy, requirement
-from delivery.smtp.types import BatchResult, NextHop
+from delivery.smtp.types import BatchResult
 from tests.test_smtp_client import A, Target, config, message
 
 MX = "mx.secure.test"

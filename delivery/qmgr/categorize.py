@@ -17,9 +17,8 @@ from django.db.models import QuerySet
 
 from delivery.qmgr import bell
 from delivery.qmgr.ownership import Claim, while_connected
-from delivery.route.routing import Router
+from delivery.route.routing import Route, RouteError, Router
 from delivery.smtp import retry
-from delivery.smtp.types import Route, RouteError
 from queues import counters, transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify

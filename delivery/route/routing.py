@@ -38,7 +38,6 @@ import dns.resolver
 from django.conf import settings
 
 from delivery.route.dns import make_resolver, parse_nameserver
-from delivery.smtp.types import NextHop, Route, RouteError
 from queues import lib
 from queues.services.reroute import NextHopRoute
 
@@ -64,6 +63,61 @@ _HOSTNAME = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*\.?$")
 _BRACKETED = re.compile(r"^\[(?P<host>[^\[\]]*)\](?::(?P<port>[^:]*))?$")
 # Characters that can never appear in a transport-map key.
 _BAD_KEY_CHARS = re.compile(r"[\s\[\]=,:@/\\]")
+
+
+# --- a route: where the mail of one domain goes, as routing answers --------------------
+
+
+@dataclass(frozen=True)
+class NextHop:
+    """One host to connect to. ``literal`` hosts are not looked up for MX."""
+
+    host: str
+    port: int
+    preference: int = 0
+    literal: bool = False
+
+    def as_json(self) -> dict:
+        return {
+            "host": self.host,
+            "port": self.port,
+            "preference": self.preference,
+            "literal": self.literal,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> NextHop:
+        return cls(
+            data["host"],
+            int(data["port"]),
+            int(data.get("preference", 0)),
+            bool(data.get("literal", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the recipients of one domain go.
+
+    ``queue_name`` names the delivery queue (the destination domain);
+    ``link_name`` names the next hop, shared by every queue behind it.
+    ``hosts`` are in preference order; ties are shuffled at delivery time.
+    """
+
+    delivery_type: str  # queues.models.DeliveryType value
+    queue_name: str
+    link_name: str
+    hosts: tuple[NextHop, ...]
+
+
+class RouteError(Exception):
+    """Routing failed. ``permanent`` failures fail the recipient (5xx)."""
+
+    def __init__(self, text: str, *, permanent: bool, enhanced: str) -> None:
+        super().__init__(text)
+        self.text = text
+        self.permanent = permanent
+        self.enhanced = enhanced
 
 
 class Shuffler(Protocol):

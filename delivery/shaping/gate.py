@@ -134,8 +134,7 @@ def link_domains(link: Link) -> tuple[str, ...]:
 
 def destination(link_name: str, hosts: list[dict], domains: tuple[str, ...] = ()) -> dict:
     """What an entry can match for a link: domains, MX host names, next-hop names."""
-    from delivery.route.routing import hop_label
-    from delivery.smtp.types import NextHop
+    from delivery.route.routing import NextHop, hop_label
 
     hops = [NextHop.from_json(h) for h in hosts]
     mx = [h.host for h in hops if not h.literal]
@@ -162,8 +161,7 @@ def speaking_hosts(entry: Entry, link: Link) -> frozenset[str] | None:
     provider's entry, but its host's 421s do not slow the provider down.
     Matched against the host each connection went to (its reply's ``host``).
     """
-    from delivery.route.routing import hop_label
-    from delivery.smtp.types import NextHop
+    from delivery.route.routing import NextHop, hop_label
 
     if entry.is_default or link.name.lower() in entry.next_hops:
         return None

@@ -19,7 +19,7 @@ from django.db import connection, transaction
 
 from delivery.qmgr.categorize import park_poison, worker_id
 from delivery.qmgr.ownership import Claim, while_connected, while_renewing
-from delivery.route.routing import DNS_MX, order_targets
+from delivery.route.routing import DNS_MX, NextHop, order_targets
 from delivery.shaping import gate as shaping_gate
 from delivery.smtp import retry
 from delivery.smtp import tls as tls_policy
@@ -33,20 +33,13 @@ from delivery.smtp.outcome import (
     reply_host,
     unattempted,
 )
-from delivery.smtp.types import (
-    BatchResult,
-    NextHop,
-    OutboundMessage,
-    OutboundRecipient,
-    RecipientResult,
-)
+from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
 from queues import counters
 from queues.bounce import dsn
-from queues.bounce import rule as dsn_rule
 from queues.bounce.notify import notify
 from queues.bulk import field_columns, insert_json, pipelined
 from queues.dberrors import is_outage
-from queues.lib import clock, scrub_nul
+from queues.lib import DSN_SUCCESS, clock, dsn_wanted, scrub_nul
 from queues.models import (
     Attempt,
     AttemptOutcome,
@@ -627,7 +620,7 @@ def _record_early(
     for res in results:
         rcpt, message = index[res.recipient_id]
         plain = res.outcome == AttemptOutcome.DELIVERED and (
-            res.peer_dsn or not dsn_rule.wants(dsn_rule.SUCCESS, rcpt.notify, message.mail_from)
+            res.peer_dsn or not dsn_wanted(DSN_SUCCESS, rcpt.notify, message.mail_from)
         )
         (quick if plain and postgresql else rest).append(res)
     if quick:

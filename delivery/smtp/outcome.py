@@ -4,7 +4,7 @@
 ``RoundOutcome`` (queues.outcomes: per recipient delivered, failed, or
 deferred until…; per link its verdict, from the retry rules of
 delivery.smtp.retry) and what else the round owes: its Attempt rows, the
-NDRs and "relayed" reports (the NOTIFY rule, queues.bounce.rule), the retry
+NDRs and "relayed" reports (the NOTIFY rule, queues.lib), the retry
 data to store or clear. ``delivery.smtp.deliver`` writes it through the
 store's transitions, in one transaction.
 
@@ -30,8 +30,7 @@ from delivery.smtp.types import (
     Peer,
     RecipientResult,
 )
-from queues.bounce import rule as dsn_rule
-from queues.lib import clock
+from queues.lib import DSN_SUCCESS, clock, dsn_wanted
 from queues.models import Attempt, AttemptOutcome, AttemptPhase, Link, Recipient
 from queues.outcomes import Delivered, LinkOutcome, RecipientOutcome, RoundOutcome, Verdict
 
@@ -207,7 +206,7 @@ def _decide_recipient(
         outcome.verdict = Verdict.DELIVERED
         rnd.delivered_queues.add(row.queue_id)
         rnd.cleared_hints += retry.cleared_by_delivery(row.address, sender, res.host, res.ip)
-        if dsn_rule.wants(dsn_rule.SUCCESS, row.notify, sender) and not res.peer_dsn:
+        if dsn_wanted(DSN_SUCCESS, row.notify, sender) and not res.peer_dsn:
             rnd.relayed[row.message_id].append(row)
     elif res.outcome == AttemptOutcome.FAILED or timed_out:
         outcome.verdict = Verdict.FAILED  # kept in the Dead-letter queue

@@ -1,62 +1,12 @@
-"""Plain data passed between the routing, delivery and queue-store layers."""
+"""Plain data of a delivery round: its messages and recipients, what each got,
+the peer it reached. A route's data (``NextHop``, ``Route``, ``RouteError``)
+is routing's (``delivery.route.routing``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
-
-
-@dataclass(frozen=True)
-class NextHop:
-    """One host to connect to. ``literal`` hosts are not looked up for MX."""
-
-    host: str
-    port: int
-    preference: int = 0
-    literal: bool = False
-
-    def as_json(self) -> dict:
-        return {
-            "host": self.host,
-            "port": self.port,
-            "preference": self.preference,
-            "literal": self.literal,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict) -> NextHop:
-        return cls(
-            data["host"],
-            int(data["port"]),
-            int(data.get("preference", 0)),
-            bool(data.get("literal", False)),
-        )
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where the recipients of one domain go.
-
-    ``queue_name`` names the delivery queue (the destination domain);
-    ``link_name`` names the next hop, shared by every queue behind it.
-    ``hosts`` are in preference order; ties are shuffled at delivery time.
-    """
-
-    delivery_type: str  # queues.models.DeliveryType value
-    queue_name: str
-    link_name: str
-    hosts: tuple[NextHop, ...]
-
-
-class RouteError(Exception):
-    """Routing failed. ``permanent`` failures fail the recipient (5xx)."""
-
-    def __init__(self, text: str, *, permanent: bool, enhanced: str) -> None:
-        super().__init__(text)
-        self.text = text
-        self.permanent = permanent
-        self.enhanced = enhanced
 
 
 @dataclass

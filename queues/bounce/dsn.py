@@ -59,10 +59,12 @@ from email.parser import BytesHeaderParser
 from email.utils import format_datetime
 
 # Kinds, named after the NOTIFY keywords (RFC 3461 §4.1); who is owed which:
-# queues.bounce.rule (dsn_wanted).
-from queues.bounce.rule import DEFAULT_NOTIFY, DELAY, FAILURE, KINDS, SUCCESS  # noqa: F401
-from queues.bounce.rule import wants as dsn_wanted  # noqa: F401
-from queues.lib import header_block
+# queues.lib (dsn_wanted).
+from queues.lib import DEFAULT_NOTIFY, dsn_wanted, header_block  # noqa: F401
+from queues.lib import DSN_DELAY as DELAY  # noqa: F401
+from queues.lib import DSN_FAILURE as FAILURE  # noqa: F401
+from queues.lib import DSN_KINDS as KINDS  # noqa: F401
+from queues.lib import DSN_SUCCESS as SUCCESS  # noqa: F401
 
 # RFC 3464 §2.3.3 actions each kind may report.
 ACTIONS_BY_KIND: dict[str, frozenset[str]] = {

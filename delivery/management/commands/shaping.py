@@ -15,10 +15,10 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from delivery.route.routing import RouteError
 from delivery.shaping import adaptive, gate, policy
 from delivery.shaping.limiter import Status, limiter
 from delivery.shaping.policy import Entry
-from delivery.smtp.types import RouteError
 from queues.lib import clock
 from queues.models import Link
 

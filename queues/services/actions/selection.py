@@ -11,9 +11,8 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.db.models.functions import Lower
 
-from queues.bounce.rule import FAILURE, null_sender_q, wants_q
 from queues.holdings import held_count, holds_q
-from queues.lib import clock
+from queues.lib import DSN_FAILURE, clock, dsn_wanted_q, null_sender_q
 from queues.models import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
@@ -170,7 +169,7 @@ def messages_preview(
                 Message.objects.filter(pk__in=ids)
                 .exclude(null_sender_q())
                 .exclude(source=MessageSource.DSN)
-                .filter(Exists(rows.filter(wants_q(FAILURE), message=OuterRef("pk"))))
+                .filter(Exists(rows.filter(dsn_wanted_q(DSN_FAILURE), message=OuterRef("pk"))))
             )
             ndrs = owed.count()
             ndr_senders = owed.values(lower=Lower("mail_from")).distinct().count() if ndrs else 0
