@@ -1,20 +1,19 @@
-"""The envelope builder (``delivery.smtp.envelope``), table-tested without a socket."""
+"""The envelope builder (``delivery.smtp.connection.build_envelope``), table-tested
+without a socket."""
 
 from __future__ import annotations
 
 import pytest
 
 from delivery.smtp import retry
-from delivery.smtp.envelope import (
-    BAD_RECIPIENT,
-    BAD_SENDER,
+from delivery.smtp.connection import (
     Envelope,
-    Refusal,
     build_envelope,
     needs_smtputf8,
     sender_refusal,
     size_limit,
 )
+from delivery.smtp.outcome import BAD_RECIPIENT, BAD_SENDER, Refusal
 from delivery.smtp.types import OutboundMessage, OutboundRecipient
 
 HOST = "mx.example.com"

@@ -1,38 +1,31 @@
-"""One outbound SMTP session on one connection: replies, EHLO, STARTTLS, AUTH, a transaction.
+"""One outbound SMTP session on one connection: replies, EHLO, STARTTLS, a transaction.
 
 ``Connection`` reads capped replies (``MAX_REPLY_LINES``, ``MAX_REPLY_BYTES``,
 ``READ_LIMIT`` per line: a hostile peer costs bounded memory), and sends one
 message with ``send``: the envelope is built without the peer
-(``delivery.smtp.envelope``), then exchanged pipelined or in lock-step
+(``build_envelope``, below), then exchanged pipelined or in lock-step
 (``_pipelined``, ``_lockstep``), then the body is sent (``_send_body``) and the
 final reply closes the transaction. A session that cannot go on raises
 ``SessionFailed``; a round that lost its claim raises ``ClaimLost`` before
 the final dot. ``ClientConfig`` is the frozen configuration every
-connection of a round shares, read from settings once per round.
+connection of a round shares, read from settings once per round. AUTH to the
+next hop is the round's (``delivery.smtp.client.authenticate``), once the
+connection is secured.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import re
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from delivery.smtp import dane, mta_sts, retry
-from delivery.smtp.envelope import (
-    BAD_RECIPIENT,
-    DATA_LINE,
-    Envelope,
-    Refusal,
-    build_envelope,
-    sender_refusal,
-)
-from delivery.smtp.outcome import Recorder, Security
+from delivery.smtp.outcome import BAD_RECIPIENT, BAD_SENDER, Recorder, Refusal, Security
 from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
 from delivery.smtp.tls import TLS_REQUIRED, Credentials, TlsRequirement
 from delivery.smtp.tlscontext import client_context, peer_chain, sni
@@ -41,7 +34,7 @@ from delivery.smtp.types import (
     OutboundRecipient,
     Peer,
 )
-from queues.lib import seconds
+from queues.lib import header_end, seconds
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +64,6 @@ PROTOCOL_ENHANCED = retry.PROTOCOL_ERROR_ENHANCED
 END_OF_DATA = "end of data"
 # Next hops on this port speak TLS from the first byte (RFC 8314 "submissions").
 IMPLICIT_TLS_PORT = 465
-AUTH_FAILED = "auth_failed"  # Exim's error name for a refused AUTH
-VERIFIED_PEER = ("ca", "mta-sts", "dane")  # TlsSecurity.verified values that checked the peer
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
@@ -152,6 +143,138 @@ class Reply(NamedTuple):
         if len(self.lines) == 1:
             return self.lines[0]
         return " ".join([self.lines[0], *(retry.strip_enhanced(x) for x in self.lines[1:])])
+
+
+# --- the envelope of one message for this peer: its MAIL and RCPT lines ----------------
+#
+# Pure (no socket, no clock, no database), so every rule is table-tested
+# without a peer (``tests/test_smtp_envelope.py``). What the peer offered
+# (its EHLO keywords) decides the parameters:
+#
+# - MAIL: ``SIZE`` (SIZE), ``BODY`` (8BITMIME), ``SMTPUTF8`` (SMTPUTF8),
+#   ``RET`` and ``ENVID`` (DSN, RFC 3461), each only when offered;
+# - RCPT: ``NOTIFY`` and ``ORCPT`` (DSN), only when offered.
+#
+# Some messages are refused here, before a command goes out: a CR, LF or NUL
+# in an address or parameter (it would smuggle a command), a message over the
+# peer's SIZE, and one that needs SMTPUTF8 from a peer without it.
+
+DATA_LINE = b"DATA\r\n"
+# BODY values we pass on (RFC 6152); BINARYMIME would need CHUNKING.
+_BODY_TYPES = ("7BIT", "8BITMIME")
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """The commands of one transaction, each line with its CRLF."""
+
+    mail: bytes
+    # The recipients to send, in order, and their RCPT lines (same length).
+    rcpts: tuple[OutboundRecipient, ...]
+    rcpt_lines: tuple[bytes, ...]
+    # Recipients never sent because of an unsafe value: ``BAD_RECIPIENT``.
+    refused: tuple[OutboundRecipient, ...] = ()
+
+
+def unsafe(value: str) -> bool:
+    """A CR or LF (or NUL) inside an address or parameter would smuggle a command."""
+    return "\r" in value or "\n" in value or "\0" in value
+
+
+def sender_refusal(msg: OutboundMessage) -> Refusal | None:
+    """``BAD_SENDER`` when the sender, RET or ENVID is unsafe. Needs no body,
+    so the client checks it before reading one."""
+    if unsafe(msg.mail_from) or unsafe(msg.envid) or unsafe(msg.ret):
+        return BAD_SENDER
+    return None
+
+
+def size_limit(extensions: Mapping[str, str]) -> int:
+    """The peer's SIZE limit in bytes; 0 when it declared none (or nonsense)."""
+    value = extensions.get("SIZE", "")
+    return int(value) if value.isdigit() else 0
+
+
+def needs_smtputf8(msg: OutboundMessage, data: bytes) -> bool:
+    """True when the message cannot go to a peer without SMTPUTF8: a non-ASCII
+    envelope address, or a non-ASCII header in a message declared SMTPUTF8."""
+    if not msg.mail_from.isascii():
+        return True
+    if any(not r.address.isascii() for r in msg.recipients):
+        return True
+    if msg.smtputf8:
+        return not data[: header_end(data)].isascii()  # a copy of the header only
+    return False
+
+
+def build_envelope(
+    msg: OutboundMessage, data: bytes, extensions: Mapping[str, str], host: str
+) -> Envelope | Refusal:
+    """The envelope of ``msg`` (body ``data``) for a peer named ``host`` that
+    offered ``extensions`` (EHLO keywords in upper case → their parameters),
+    or the refusal that decides the whole message without asking the peer.
+
+    An envelope may have no recipient left to send (all refused): the
+    message then needs no transaction at all.
+    """
+    refusal = sender_refusal(msg)
+    if refusal is not None:
+        return refusal
+    limit = size_limit(extensions)
+    if limit and len(data) > limit:
+        text = f"message size {len(data)} exceeds size limit {limit} of {host}"
+        return Refusal(retry.MAIL, "5.3.4", text)
+    utf8 = needs_smtputf8(msg, data)
+    if utf8 and "SMTPUTF8" not in extensions:
+        text = f"{host} does not support SMTPUTF8, which this message needs"
+        return Refusal(retry.MAIL, "5.6.7", text)
+    mail = mail_line(msg, len(data), utf8 or msg.smtputf8, extensions)
+    rcpts, lines, refused = rcpt_lines(msg.recipients, extensions)
+    return Envelope(mail, rcpts, lines, refused)
+
+
+def mail_line(
+    msg: OutboundMessage, size: int, smtputf8: bool, extensions: Mapping[str, str]
+) -> bytes:
+    """``MAIL FROM:<...>`` with the parameters the peer offered. ``msg``'s
+    values must be safe (``sender_refusal``)."""
+    mail = "MAIL FROM:<" + msg.mail_from + ">"
+    if "SIZE" in extensions:
+        mail += f" SIZE={size}"
+    body = msg.body_type.upper()
+    if body in _BODY_TYPES and "8BITMIME" in extensions:
+        mail += " BODY=" + body
+    if smtputf8 and "SMTPUTF8" in extensions:
+        mail += " SMTPUTF8"
+    if "DSN" in extensions:
+        if msg.ret:
+            mail += " RET=" + msg.ret
+        if msg.envid:
+            mail += " ENVID=" + msg.envid
+    return mail.encode() + CRLF
+
+
+def rcpt_lines(
+    recipients: list[OutboundRecipient], extensions: Mapping[str, str]
+) -> tuple[tuple[OutboundRecipient, ...], tuple[bytes, ...], tuple[OutboundRecipient, ...]]:
+    """(recipients to send, their ``RCPT TO:<...>`` lines, recipients refused
+    for an unsafe address, NOTIFY or ORCPT)."""
+    dsn = "DSN" in extensions
+    sent: list[OutboundRecipient] = []
+    lines: list[bytes] = []
+    refused: list[OutboundRecipient] = []
+    for rcpt in recipients:
+        if unsafe(rcpt.address) or unsafe(rcpt.notify) or unsafe(rcpt.orcpt):
+            refused.append(rcpt)
+            continue
+        line = "RCPT TO:<" + rcpt.address + ">"
+        if dsn and rcpt.notify:
+            line += " NOTIFY=" + rcpt.notify
+        if dsn and rcpt.orcpt:
+            line += " ORCPT=" + rcpt.orcpt
+        sent.append(rcpt)
+        lines.append(line.encode() + CRLF)
+    return tuple(sent), tuple(lines), tuple(refused)
 
 
 class ClaimLost(Exception):
@@ -367,75 +490,6 @@ class Connection:
         else:
             self.security.verified = "none"
 
-    async def authenticate(self, creds: Credentials) -> None:
-        """AUTH PLAIN, else LOGIN (RFC 4954); never in cleartext unless the
-        credentials allow it, and over TLS only when the peer's certificate was
-        verified (a ``verify``/``secure``/``dane`` or MTA-STS policy) unless the
-        operator allows unverified TLS. A 5xx is Exim's ``auth_failed``: that
-        next hop will refuse every connection the same way."""
-        host = self.target.host
-        if not self.tls and not creds.allow_cleartext:
-            raise SessionFailed(
-                retry.EHLO,
-                None,
-                f"refusing to send AUTH credentials to {host} without TLS "
-                "(add allow-cleartext to its MAILRELAY_SMTP_AUTH line to allow it)",
-                error=TLS_REQUIRED,
-                enhanced=TLS_ENHANCED,
-            )
-        unverified = self.tls and self.security.verified not in VERIFIED_PEER
-        if unverified and not (creds.allow_cleartext or self.config.auth_over_unverified_tls):
-            raise SessionFailed(
-                retry.EHLO,
-                None,
-                f"refusing to send AUTH credentials to {host}: its TLS certificate was not "
-                f"verified (TLS policy {self.security.policy or 'may'}; give it the level verify, "
-                "secure or dane, or set MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS)",
-                error=TLS_REQUIRED,
-                enhanced=TLS_ENHANCED,
-            )
-        offered = self.extensions.get("AUTH", "").upper().split()
-        if "PLAIN" in offered:
-            mechanism = "PLAIN"
-            r = await self.command(b"AUTH PLAIN " + creds.plain() + CRLF, "AUTH", retry.EHLO)
-        elif "LOGIN" in offered:
-            mechanism = "LOGIN"
-            r = await self._auth_login(creds)
-        else:
-            raise SessionFailed(
-                retry.EHLO,
-                None,
-                f"{host} offers no AUTH PLAIN or LOGIN (offered: {' '.join(offered) or 'none'}); "
-                "credentials are configured for it",
-                error=AUTH_FAILED,
-                enhanced="4.7.0",
-            )
-        if r.code == 235:
-            self.security.auth = mechanism
-            return
-        error = AUTH_FAILED if r.code // 100 == 5 else ""
-        # Say plainly what failed (the reply text is often just "failed"), and
-        # keep the peer's enhanced code in its own field.
-        label = "authentication failed (auth_failed)" if error else "authentication deferred"
-        raise SessionFailed(
-            retry.EHLO,
-            r.code,
-            f"{label}: {retry.strip_enhanced(r.text)}",
-            error=error,
-            enhanced=retry.parse_enhanced(r.text),
-            in_reply_to=f"AUTH {mechanism}",
-        )
-
-    async def _auth_login(self, creds: Credentials) -> Reply:
-        """AUTH LOGIN: the user name and the password, each after a 334."""
-        r = await self.command(b"AUTH LOGIN\r\n", "AUTH", retry.EHLO)
-        for secret in (creds.username, creds.password):
-            if r.code != 334:
-                return r
-            answer = base64.b64encode(secret.encode()) + CRLF
-            r = await self.command(answer, "AUTH", retry.EHLO)
-        return r
-
     # Sending one message ----------------------------------------------------------
 
     async def rset(self) -> None:
@@ -456,7 +510,7 @@ class Connection:
         1. refuse an unsafe sender or MAIL parameter (5.1.7) before reading
            the body; read it (``load_body`` when ``msg.data`` is None; a
            failure defers the message, 4.3.0);
-        2. build the envelope (``delivery.smtp.envelope``), which may refuse
+        2. build the envelope (``build_envelope``), which may refuse
            the whole message (SIZE 5.3.4, SMTPUTF8 5.6.7) or some recipients
            (5.1.3) without asking the peer;
         3. MAIL, RCPT and DATA, pipelined or in lock-step (``_exchange``);

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from delivery.smtp import retry
-from delivery.smtp.envelope import Refusal
 from delivery.smtp.types import (
     BatchResult,
     OutboundMessage,
@@ -33,6 +32,23 @@ from delivery.smtp.types import (
 from queues.lib import DSN_SUCCESS, clock, dsn_wanted
 from queues.models import Attempt, AttemptOutcome, AttemptPhase, Link, Recipient
 from queues.outcomes import Delivered, LinkOutcome, RecipientOutcome, RoundOutcome, Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A decision taken without asking the peer, for a whole message
+    (``phase`` MAIL) or for one recipient (``phase`` RCPT)."""
+
+    phase: str
+    enhanced: str
+    text: str
+
+    def classification(self) -> retry.Classification:
+        return retry.classify_local(self.phase, self.enhanced)
+
+
+BAD_SENDER = Refusal(retry.MAIL, "5.1.7", "invalid sender or MAIL parameters")
+BAD_RECIPIENT = Refusal(retry.RCPT, "5.1.3", "invalid recipient or RCPT parameters")
 
 
 def unattempted(
