@@ -229,7 +229,7 @@ def test_a_killed_child_is_started_again_and_the_relay_keeps_working(runall, sin
     assert again["worker-delivery"] != first["worker-delivery"]
     assert {k: v for k, v in again.items() if k != "worker-delivery"} == {
         k: v for k, v in first.items() if k != "worker-delivery"
-    }
+    }, run.output()
     assert run.proc.poll() is None  # the rest of the relay never stopped
 
     # The new delivery worker delivers. (The first message may come again: the

@@ -64,7 +64,7 @@ class _State:
 
 
 _state = _State()
-_lock = threading.Lock()
+_policy_lock = threading.Lock()
 
 
 def _path() -> str:
@@ -86,7 +86,7 @@ def current() -> Policy | None:
         stamp = (path, "missing", str(exc))
     if stamp == _state.stamp:
         return _state.policy
-    with _lock:
+    with _policy_lock:
         if stamp == _state.stamp:
             return _state.policy
         _state.stamp = stamp
@@ -114,7 +114,7 @@ def last_error() -> str:
 def reset() -> None:
     """Forget the policy read (tests)."""
     global _state
-    with _lock:
+    with _policy_lock:
         _state = _State()
 
 

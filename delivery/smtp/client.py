@@ -27,8 +27,10 @@ The client never raises for network problems: every exception becomes a
 
 This module runs a round's batch (``deliver``, ``_Batch``): messages split
 into groups, one connection per group, targets walked in order, failures
-remembered per target. One session is ``connection.Connection``, its
-results ``recorder.Recorder``, its TLS contexts ``tlscontext``.
+remembered per target; each connection secured (STARTTLS) and, when the next
+hop has credentials, authenticated (``authenticate``, RFC 4954). One session
+is ``connection.Connection``, its results ``outcome.Recorder``, its TLS
+contexts ``tlscontext``.
 """
 
 from __future__ import annotations
