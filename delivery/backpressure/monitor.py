@@ -295,7 +295,7 @@ class Monitor:
 
 
 def _failed(what: str, exc: Exception) -> None:
-    """A database that is away is one outage (logged once, delivery.outage), not a
+    """A database that is away is one outage (logged once, ownership.OUTAGE), not a
     traceback every interval; anything else is traced."""
     if is_unavailable(exc):
         OUTAGE.failed(exc)

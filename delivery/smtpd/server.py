@@ -243,7 +243,7 @@ class RelayHandler:
                 log.exception("could not store a message from %s", smtp.client_ip)
                 return policy.STORE_FAILED
             # The database is away (a failover): one line per 451, the outage
-            # itself once as it starts and once as it ends (delivery.outage).
+            # itself once as it starts and once as it ends (delivery.qmgr.ownership.OUTAGE).
             OUTAGE.failed(exc)
             log.warning("451 4.3.0 message from %s not stored: %s", smtp.client_ip, first_line(exc))
             return policy.STORE_FAILED
