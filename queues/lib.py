@@ -1,11 +1,12 @@
 """The store's pure helpers: text, units, domains, retry keys, the NOTIFY rule
 and header blocks.
 
-A leaf module (standard library, ``idna`` and Django's settings error only):
-the settings (``mailrelay.env``, ``mailrelay.settings``), the store, the
-viewer, the engine and the read side all import it, and it imports nothing
-of the project, so the dependency arrows run one way. Its parts, each under
-its own heading below:
+A leaf module (standard library, ``idna``, Django's settings error and
+timezone; the NOTIFY rule's query helpers import ``Q`` when called): the
+settings (``mailrelay.env``, ``mailrelay.settings``), the store, the viewer,
+the engine and the read side all import it, and it imports nothing of the
+project, so the dependency arrows run one way. Its parts, each under its own
+heading below:
 
 - **text**: the one NUL scrubber, for text from strangers;
 - **units**: parsing and formatting durations and sizes;
@@ -312,6 +313,8 @@ def domain_keys(setting: str, values: Iterable[str]) -> list[str]:
 
 
 def normalise_sender(sender: str) -> str:
+    """A sender as retry rules match it and address keys hold it: without its
+    angle brackets and surrounding blanks ("" is the null sender)."""
     sender = sender.strip()
     if sender.startswith("<") and sender.endswith(">"):
         sender = sender[1:-1].strip()

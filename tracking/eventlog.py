@@ -1,14 +1,14 @@
 """The JSON-lines event log (``MAILRELAY_EVENT_LOG``): one line per tracking event.
 
 Lines are handed over (by ``tracking.record``) after the commit of their
-transaction (``transaction.on_commit``) to a writer thread through a bounded queue, so a
-slow disk or a stalled pipe never holds a delivery: when the queue is full
-the lines are dropped and counted (a warning says how many). Best effort:
-lines still queued when the process is killed (kill -9, os._exit) are lost;
-a normal exit writes them first (atexit, up to 5 s). Each line is one
-``os.write`` on a file opened ``O_APPEND``, so several processes may append to
-one file without their lines interleaving. The schema is documented in
-docs/tracking.md.
+transaction (``transaction.on_commit``) to a writer thread through a bounded
+queue, so a slow disk or a stalled pipe never holds a delivery: when the
+queue is full the lines are dropped and counted (a warning says how many).
+Best effort: lines still queued when the process is killed (kill -9,
+os._exit) are lost; a normal exit writes them first (atexit, up to 5 s). Each
+line is one ``os.write`` on a file opened ``O_APPEND``, so several processes
+may append to one file without their lines interleaving. The schema is
+documented in docs/tracking.md.
 """
 
 from __future__ import annotations
