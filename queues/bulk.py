@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 
 import psycopg
 import psycopg.adapt
@@ -79,6 +80,28 @@ def insert_json(
     sql = f"INSERT INTO {table} ({names}) SELECT {names} FROM {jsonb_rows('x', columns)}"
     with connection.cursor() as cur:
         cur.execute(sql, [jsonb_payload(rows)])
+
+
+def insert_all(rows: Sequence[models.Model]) -> None:
+    """New rows of one model, no pk back (none is needed): on PostgreSQL one
+    ``insert_json`` of the whole batch (bulk_create prepares each field of each
+    row and sends a placeholder per value, several times the CPU);
+    bulk_create elsewhere."""
+    if not rows:
+        return
+    model = type(rows[0])
+    if connection.vendor != "postgresql":
+        model.objects.bulk_create(rows)
+        return
+    fields, columns = _insert_fields(model)
+    values = [{f.column: getattr(row, f.attname) for f in fields} for row in rows]
+    insert_json(model._meta.db_table, columns, values)
+
+
+@cache
+def _insert_fields(model: type[models.Model]) -> tuple[list[models.Field], list[tuple[str, str]]]:
+    fields = [f for f in model._meta.concrete_fields if not f.primary_key]
+    return fields, [(f.column, json_column_type(f)) for f in fields]
 
 
 def update_json(

@@ -407,6 +407,127 @@ def test_a_round_survives_its_database_connection_being_cut(relay, sink_factory)
     assert Attempt.objects.count() == 3
 
 
+class CutOnce:
+    """A connection's execute wrapper that ends the owner's PostgreSQL session
+    once, at the first statement ``matches`` picks (as a restart would end it):
+    ``before`` it runs, or after it ran and — a lost reply — after its commit."""
+
+    def __init__(self, matches, *, after: bool = False) -> None:
+        self.matches, self.after, self.cut = matches, after, False
+
+    def __call__(self, execute, sql, params, many, context):
+        from django.db import connection, transaction
+
+        if self.cut or not self.matches(sql):
+            return execute(sql, params, many, context)
+        self.cut = True
+        if not self.after:
+            self._end(connection)
+            return execute(sql, params, many, context)  # the session is gone: raises
+        result = execute(sql, params, many, context)
+
+        def lost_reply() -> None:
+            self._end(connection)
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")  # raises: the reply never comes
+
+        if connection.in_atomic_block:
+            transaction.on_commit(lost_reply)
+        else:
+            lost_reply()
+        return result
+
+    @staticmethod
+    def _end(connection) -> None:
+        pid = connection.connection.info.backend_pid
+        other = threading.Thread(target=_terminate, args=(pid,))
+        other.start()
+        other.join()
+
+
+def _terminate(pid: int) -> None:
+    from django.db import connection
+
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+            assert cursor.fetchone()[0]
+    finally:
+        connection.close()
+
+
+CUT_AT = {
+    # The reads of a round, outside its writes (which ride out outages already).
+    "the link": lambda sql: sql.startswith("SELECT") and 'FROM "queues_link"' in sql,
+    "the claim": lambda sql: "SKIP LOCKED" in sql and '"queues_recipient"."message_id"' in sql,
+    "the envelopes": lambda sql: sql.startswith("SELECT") and '"queues_recipient"."orcpt"' in sql,
+    "the retry data": lambda sql: sql.startswith("SELECT") and "queues_retryhint" in sql,
+}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("where", [*CUT_AT, "the claim's lost reply"])
+def test_a_round_rides_out_its_connection_cut_while_it_reads(relay, sink_factory, where):
+    """The owner's session ends while the round reads what it sends (a
+    PostgreSQL restart): the round reconnects and goes on under its claim, at
+    once, instead of ending the task and leaving its link and rows to wait out
+    their lease (30 s). A claim whose COMMIT happened but whose reply was lost
+    is the round's claim when tried again: nothing is left held by nobody."""
+    from django.db import connection
+
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    for i in range(3):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    if where == "the claim's lost reply":
+        cut = CutOnce(
+            lambda sql: sql.startswith('UPDATE "queues_recipient" SET "state"'), after=True
+        )
+    else:
+        cut = CutOnce(CUT_AT[where])
+    started = time.monotonic()
+    with connection.execute_wrapper(cut):
+        handled = deliver_link(link.pk)
+    elapsed = time.monotonic() - started
+    assert cut.cut
+    assert handled == 3
+    assert sorted(m.rcpt_tos[0] for m in sink.messages) == [f"u{i}@example.net" for i in range(3)]
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+    assert Link.objects.get().lease_owner == ""
+    assert elapsed < 10, f"{elapsed:.1f}s: the round waited for a lease"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delivery_task_run_again_after_an_outage_keeps_its_link(relay, sink_factory):
+    """The link's lease is taken, and the reply lost with the connection: the
+    task runs again once the database answers, as the same owner, so the lease
+    it took is its own and it delivers at once (a new owner would find the link
+    held and leave it for 30 s)."""
+    from django.db import connection
+
+    from delivery.qmgr.tasks import deliver_link as task
+
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    for i in range(2):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    link = Link.objects.get()
+    cut = CutOnce(lambda sql: sql.startswith('UPDATE "queues_link" SET "lease_owner"'), after=True)
+    started = time.monotonic()
+    with connection.execute_wrapper(cut):
+        handled = task(link.pk)
+    assert cut.cut
+    assert handled == 2
+    assert time.monotonic() - started < 10
+    assert sorted(m.rcpt_tos[0] for m in sink.messages) == ["u0@example.net", "u1@example.net"]
+    assert Link.objects.get().lease_owner == ""
+
+
 def deliver_watching(sink, link_id: int) -> tuple[int, list[tuple[int, int]]]:
     """``deliver_link`` while a thread samples, every 10 ms, (MAIL commands the
     sink has seen, recipients recorded delivered); returns both."""

@@ -14,7 +14,7 @@ from celery import shared_task
 from django.conf import settings
 
 from delivery.qmgr import bell
-from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.categorize import categorize_pending, worker_id
 from delivery.qmgr.ownership import waits_for_database
 from delivery.qmgr.sweep import reclaim as reclaim_now
 from delivery.qmgr.sweep import sweep as sweep_now
@@ -51,9 +51,11 @@ _batch_wait = time.sleep  # MAILRELAY_CATEGORIZER_BATCH_WAIT between batches (te
 
 
 @shared_task(name="delivery.tasks.deliver_link")
-@waits_for_database
-def deliver_link(link_id: int) -> int:
-    return deliver_link_now(link_id)
+def deliver_link(link_id: int) -> int | None:
+    # One owner for the task, across the reruns an outage costs: the link's
+    # lease an earlier run took (its reply lost with the connection) is still
+    # its own, not a stranger's to wait out.
+    return waits_for_database(deliver_link_now)(link_id, worker_id())
 
 
 # The periodic tasks do not wait for the database: their next run comes anyway.

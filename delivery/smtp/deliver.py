@@ -8,11 +8,12 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
-from functools import cache, partial
+from functools import partial
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -37,11 +38,10 @@ from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient,
 from queues import counters
 from queues.bounce import dsn
 from queues.bounce.notify import notify
-from queues.bulk import field_columns, insert_json, pipelined
+from queues.bulk import insert_all, pipelined
 from queues.dberrors import is_outage
 from queues.lib import DSN_SUCCESS, clock, dsn_wanted, scrub_nul
 from queues.models import (
-    Attempt,
     AttemptOutcome,
     DeliveryType,
     Event,
@@ -74,10 +74,11 @@ def link_has_due_work(link_id: int, now: datetime | None = None) -> bool:
     return Recipient.objects.due_on_link(link_id, now).exists()
 
 
-def claim_round(link_id: int, owner: str, limit: int) -> list[int]:
+def claim_round(link_id: int, owner: str, limit: int, again: bool = False) -> list[int]:
     """Lease up to ``limit`` due recipients (and MAILRELAY_DELIVERY_ROUND_BYTES of
     messages) to the round ``owner``; its results are written only to rows that
-    still carry that owner (queues.transitions)."""
+    still carry that owner (queues.transitions). ``again``: a retry after the
+    connection broke, which takes what the first try may have committed."""
     return Recipient.objects.claim_on_link(
         link_id,
         owner,
@@ -85,6 +86,7 @@ def claim_round(link_id: int, owner: str, limit: int) -> list[int]:
         settings.MAILRELAY_DELIVERY_LEASE,
         limit=limit,
         max_bytes=settings.MAILRELAY_DELIVERY_ROUND_BYTES,
+        again=again,
     )
 
 
@@ -401,7 +403,7 @@ def _write(
             for per_message in (rnd.failed, rnd.relayed):
                 for mid in list(per_message):
                     per_message[mid] = [r for r in per_message[mid] if r.id in kept]
-        insert_attempts(rnd.attempts)
+        insert_all(rnd.attempts)
         # One row per attempt; a recipient whose claim was lost meanwhile (not
         # in ``kept``): its attempt is recorded, its fate is the new owner's.
         attempts_recorded.send(
@@ -435,29 +437,6 @@ def _write_hints(rnd: Round, *, forget: bool = True) -> None:
         if is_outage(exc):
             raise
         log.exception("the retry data of a delivery round could not be written; dropped")
-
-
-def insert_attempts(attempts: list[Attempt]) -> None:
-    """The round's Attempt rows: on PostgreSQL one INSERT of the whole batch
-    (queues.bulk.insert_json: bulk_create prepares each of the 18 fields of
-    each row and sends a placeholder per value, several times the CPU);
-    bulk_create elsewhere. The rows get no pk back (none is needed)."""
-    if not attempts:
-        return
-    if connection.vendor != "postgresql":
-        Attempt.objects.bulk_create(attempts)
-        return
-    columns = _attempt_columns()
-    names = [name for name, _ in columns]
-    insert_json(
-        Attempt._meta.db_table, columns, [{c: getattr(a, c) for c in names} for a in attempts]
-    )
-
-
-@cache
-def _attempt_columns() -> list[tuple[str, str]]:
-    names = [f.attname for f in Attempt._meta.concrete_fields if not f.primary_key]
-    return field_columns(Attempt, names)
 
 
 def _notify_round(rnd: Round) -> None:
@@ -500,10 +479,13 @@ def _deliver_round(
     limit = config.max_connections * config.max_messages_per_connection
     if shaped is not None:
         limit = shaped.limit
-    ids = claim_round(link.pk, owner, limit)
+    # The round's reads ride out a database restart as its writes do (while
+    # the link's claim is held): an outage here must not end the task.
+    tries = iter(range(1 << 30))
+    ids = while_connected(claim, lambda: claim_round(link.pk, owner, limit, next(tries) > 0))
     if not ids:
         return 0
-    messages = _load_batch(ids)
+    messages = while_connected(claim, lambda: _load_batch(ids))
     carried = Carried()
     index = {r.id: (r, m) for m in messages for r in m.recipients}
     if shaped is not None:
@@ -511,7 +493,7 @@ def _deliver_round(
     hops = [NextHop.from_json(h) for h in link.hosts]
     targets, error = order_targets(hops)
     domain = messages[0].recipients[0].address.rpartition("@")[2] if messages else link.name
-    hints = retry.stored_hints(targets)
+    hints = while_connected(claim, lambda: retry.stored_hints(targets))
     targets, verdict = retry.usable_targets(targets, hints, domain=domain, now=clock.now())
     if verdict == "bounce":
         batch = unattempted(
@@ -536,7 +518,6 @@ def _deliver_round(
                 if RECORD_EACH_MESSAGE
                 else None,
             )
-            _report_tls(batch)
             if shaped is not None:
                 shaped.observe(batch)
         else:
@@ -553,6 +534,7 @@ def _deliver_round(
             # a message that keeps breaking the recording goes to Poison.
             log.exception("recording a delivery round of link %s failed", link.pk)
             _record_crash(owner)
+    _report_tls(batch)  # after the record: a lost report must not cost a second copy
     return len(ids)
 
 
@@ -584,15 +566,21 @@ def _with_tls(
 
 
 def _report_tls(batch: BatchResult) -> None:
-    """An Event per distinct MTA-STS "testing" failure of the round."""
+    """An Event per distinct MTA-STS "testing" failure of the round (none while
+    the database is away: the log keeps them)."""
     now = clock.now()
     for text in dict.fromkeys(r.tls_report for r in batch.results if r.tls_report):
-        Event.objects.create(
-            created_at=now,
-            level=EventLevel.WARNING,
-            kind="mta_sts",
-            text=f"MTA-STS (testing): {text}; delivered anyway",
-        )
+        try:
+            Event.objects.create(
+                created_at=now,
+                level=EventLevel.WARNING,
+                kind="mta_sts",
+                text=f"MTA-STS (testing): {text}; delivered anyway",
+            )
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            log.warning("MTA-STS (testing) report not stored: %s (%s)", text, exc)
 
 
 Index = dict[int, tuple[OutboundRecipient, OutboundMessage]]  # a round's, by recipient id
@@ -720,10 +708,13 @@ class _LinkOwner:
         self.owner = owner
         self.rounds = 0
         self.round: str | None = None
+        # A rerun of the task after an outage keeps its owner (the link's lease
+        # may be held already); its rounds are new, not an earlier run's.
+        self.run = uuid.uuid4().hex[:4]
 
     def next_round(self) -> str:
         self.rounds += 1
-        self.round = f"{self.owner}/{self.rounds}"
+        self.round = f"{self.owner}/{self.run}.{self.rounds}"
         return self.round
 
     def renew(self, until: datetime) -> bool:
@@ -768,7 +759,7 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
                     # its rounds last long enough to gather, and a wait would
                     # only leave it idle (bench/README.md "Session 9").
                     _round_wait(gather)
-                link = Link.objects.get(pk=link_id)
+                link = while_connected(claim, lambda: Link.objects.get(pk=link_id))
                 if link.next_retry_at and link.next_retry_at > clock.now():
                     break
                 count = deliver_round(link, config, holder.next_round(), claim)

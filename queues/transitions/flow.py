@@ -295,13 +295,22 @@ class RecipientFlow(models.QuerySet):
         *,
         limit: int,
         max_bytes: int,
+        again: bool = False,
     ) -> list[int]:
         """Claim due recipients of a link for one delivery round; returns their ids.
 
         Oldest first, at most ``limit`` recipients and, counting each message
         once, at most ``max_bytes`` of message data (always at least the first
         message, whatever its size).
+
+        ``again``: the same claim tried again because the connection broke; its
+        first try may have committed with the reply lost, so the rows the round
+        already holds are its claim, if there are any.
         """
+        if again and (
+            held := list(self.owned_by(owner).order_by("id").values_list("id", flat=True))
+        ):
+            return held
         with transaction.atomic():
             rows = list(
                 self.due_on_link(link_id, now)
