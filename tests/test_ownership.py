@@ -465,6 +465,17 @@ CUT_AT = {
 }
 
 
+def queued_for_a_sink(relay, sink_factory, n: int):
+    """``n`` messages (u0@… onwards) categorized onto the link of a live sink."""
+    relay.a("example.net", "127.0.0.2")
+    sink = sink_factory("127.0.0.2")
+    for i in range(n):
+        accept(f"u{i}@example.net")
+    while categorize_pending():
+        pass
+    return sink, Link.objects.get()
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("where", [*CUT_AT, "the claim's lost reply"])
 def test_a_round_rides_out_its_connection_cut_while_it_reads(relay, sink_factory, where):
@@ -475,13 +486,7 @@ def test_a_round_rides_out_its_connection_cut_while_it_reads(relay, sink_factory
     is the round's claim when tried again: nothing is left held by nobody."""
     from django.db import connection
 
-    relay.a("example.net", "127.0.0.2")
-    sink = sink_factory("127.0.0.2")
-    for i in range(3):
-        accept(f"u{i}@example.net")
-    while categorize_pending():
-        pass
-    link = Link.objects.get()
+    sink, link = queued_for_a_sink(relay, sink_factory, 3)
     if where == "the claim's lost reply":
         cut = CutOnce(
             lambda sql: sql.startswith('UPDATE "queues_recipient" SET "state"'), after=True
@@ -510,13 +515,7 @@ def test_a_delivery_task_run_again_after_an_outage_keeps_its_link(relay, sink_fa
 
     from delivery.qmgr.tasks import deliver_link as task
 
-    relay.a("example.net", "127.0.0.2")
-    sink = sink_factory("127.0.0.2")
-    for i in range(2):
-        accept(f"u{i}@example.net")
-    while categorize_pending():
-        pass
-    link = Link.objects.get()
+    sink, link = queued_for_a_sink(relay, sink_factory, 2)
     cut = CutOnce(lambda sql: sql.startswith('UPDATE "queues_link" SET "lease_owner"'), after=True)
     started = time.monotonic()
     with connection.execute_wrapper(cut):
