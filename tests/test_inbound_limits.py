@@ -19,7 +19,7 @@ import time
 import pytest
 from django.db import OperationalError, connection
 
-from delivery.smtpd import policy, server
+from delivery.smtpd import config, policy, server
 from delivery.smtpd import session as smtpd_session
 from queues import accept, bulk
 from queues.accept import (
@@ -113,8 +113,8 @@ def test_ipv6_clients_are_counted_per_64():
 
 def test_the_soft_file_limit_is_raised_towards_the_hard_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    new_soft, needed = server.raise_file_limit(soft)  # needs more than the soft limit
-    assert needed == soft + server.FILE_LIMIT_SPARE
+    new_soft, needed = config.raise_file_limit(soft)  # needs more than the soft limit
+    assert needed == soft + config.FILE_LIMIT_SPARE
     expected = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
     assert new_soft == expected == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 

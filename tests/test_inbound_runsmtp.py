@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from delivery.smtpd.server import CoalescedBell, format_address, parse_listen
+from delivery.smtpd.config import format_address, parse_listen
+from delivery.smtpd.server import CoalescedBell
 from queues.models import Message
 from tests.support import processes
 

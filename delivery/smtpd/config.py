@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import ssl
 from dataclasses import dataclass
 
@@ -23,6 +24,43 @@ log = logging.getLogger(__name__)
 SMTP_LISTENER = "smtp"
 SUBMISSION = "submission"
 SUBMISSIONS = "submissions"
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``127.0.0.1:2525`` → ("127.0.0.1", 2525); ``[::1]:25``; ``*:25`` or ``:25`` = all."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+        if ":" in host:
+            raise ValueError(f"{text!r}: write an IPv6 address as [addr]:port")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not host:port (e.g. 127.0.0.1:2525 or [::1]:2525)")
+    return ("" if host in ("", "*") else host), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+FILE_LIMIT_SPARE = 256  # descriptors besides client sockets: listeners, database, logs, spool
+
+
+def raise_file_limit(connections: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE towards the hard limit so ``connections`` fit.
+
+    Returns (soft, needed). A soft limit below ``needed`` (a low hard limit)
+    only means EMFILE past it: asyncio then pauses accepting for a second and
+    resumes, and the sessions already open go on.
+    """
+    needed = connections + FILE_LIMIT_SPARE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft, needed
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,6 @@ import functools
 import logging
 import math
 import queue
-import resource
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -85,43 +84,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DB_THREADS = 8
 # A database thread reconnects after storing a message this large (see _store).
 RELEASE_CONNECTION_ABOVE = 8 * 1024 * 1024
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """``127.0.0.1:2525`` → ("127.0.0.1", 2525); ``[::1]:25``; ``*:25`` or ``:25`` = all."""
-    text = text.strip()
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-    else:
-        host, sep, port = text.rpartition(":")
-        if ":" in host:
-            raise ValueError(f"{text!r}: write an IPv6 address as [addr]:port")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{text!r} is not host:port (e.g. 127.0.0.1:2525 or [::1]:2525)")
-    return ("" if host in ("", "*") else host), int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-FILE_LIMIT_SPARE = 256  # descriptors besides client sockets: listeners, database, logs, spool
-
-
-def raise_file_limit(connections: int) -> tuple[int, int]:
-    """Raise the soft RLIMIT_NOFILE towards the hard limit so ``connections`` fit.
-
-    Returns (soft, needed). A soft limit below ``needed`` (a low hard limit)
-    only means EMFILE past it: asyncio then pauses accepting for a second and
-    resumes, and the sessions already open go on.
-    """
-    needed = connections + FILE_LIMIT_SPARE
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = target
-    return soft, needed
 
 
 # ----------------------------------------------------------------- committing
@@ -364,7 +326,7 @@ class InboundServer:
         """Run a synchronous ORM call in a database thread (never on the event loop)."""
         assert self.loop is not None and self._executor is not None
         call = functools.partial(function, *args, **kwargs)
-        return await self.loop.run_in_executor(self._executor, _in_thread, call)
+        return await self._executor.run_on(self.loop, _in_thread, call)
 
     async def store(self, envelope: IncomingEnvelope, data: bytes) -> str:
         """Prepare and commit a message (group commit, ``groupcommit``); ring
@@ -383,11 +345,10 @@ class InboundServer:
         try:
             prepared = await self.in_database(prepare_message, envelope, data)
             assert isinstance(prepared, PreparedMessage)
-            committed = self._committer.submit(prepared, data)
+            future = self._committer.submit_on(self.loop, prepared, data)
         except BaseException:
             self.uncommitted.value -= 1
             raise
-        future = asyncio.wrap_future(committed, loop=self.loop)
         self._stores.add(future)
         future.add_done_callback(self._stored)
         return await asyncio.shield(future)
@@ -495,7 +456,38 @@ DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # a batch holds at most this much message d
 # (above): libpq's send buffer grows to the statement's size and is only freed
 # with the connection.
 
-Job = tuple[concurrent.futures.Future, Any, Any]  # (future, envelope, data)
+
+class LoopReply:
+    """A job's answer, handed from its thread straight to an asyncio future on
+    ``loop`` (what ``asyncio.wrap_future`` does, without a concurrent Future
+    and its lock between: two per message on the ingress)."""
+
+    __slots__ = ("loop", "future")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return not self.future.cancelled()  # read across threads: at worst, work done for nobody
+
+    def set_result(self, result: object) -> None:
+        self._settle(self.future.set_result, result)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._settle(self.future.set_exception, exc)
+
+    def _settle(self, settle: Callable[[Any], None], value: object) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(_settle, self.future, settle, value)
+
+
+def _settle(future: asyncio.Future, settle: Callable[[Any], None], value: object) -> None:
+    if not future.cancelled():
+        settle(value)
+
+
+Job = tuple[concurrent.futures.Future | LoopReply, Any, Any]  # (reply, envelope, data)
 
 # PostgreSQL takes at most 65535 parameters in one statement; a batch's INSERT
 # (queues.bulk.insert_many_with_children) sends one per column of each message
@@ -554,6 +546,16 @@ class GroupCommitter:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((future, envelope, data))
         return future
+
+    def submit_on(
+        self, loop: asyncio.AbstractEventLoop, envelope: Any, data: Any
+    ) -> asyncio.Future:
+        """``submit``, answered on ``loop`` (the ingress's sessions)."""
+        if self._closed:
+            raise RuntimeError("the group committer is shut down")
+        reply = LoopReply(loop)
+        self._jobs.put((reply, envelope, data))
+        return reply.future
 
     def _take_batch(self, first: Job) -> tuple[list[Job], Job | None]:
         """The batch that starts with ``first``, and the job taken that did not
@@ -744,6 +746,16 @@ class DatabaseExecutor(concurrent.futures.Executor):
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((future, fn, args, kwargs))
         return future
+
+    def run_on(
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any
+    ) -> asyncio.Future:
+        """``loop.run_in_executor(self, fn, *args)`` answered straight on ``loop``."""
+        if self._closed:
+            raise RuntimeError("the database executor is shut down")
+        reply = LoopReply(loop)
+        self._jobs.put((reply, fn, args, {}))
+        return reply.future
 
     def _work(self) -> None:
         try:

@@ -21,7 +21,7 @@ from typing import Any
 from aiosmtpd.smtp import SMTP, Envelope, Session
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from delivery.smtpd.server import parse_listen
+from delivery.smtpd.config import parse_listen
 
 DEFAULT_LISTEN = "127.0.0.1:2526"
 HEADERS_SHOWN = ("from", "to", "subject", "message-id", "date")

@@ -36,14 +36,8 @@ from delivery.backpressure.config import BackPressureConfig
 from delivery.backpressure.monitor import Monitor
 from delivery.hostname import hostname_warning
 from delivery.pickup.watcher import always_allowed, start_pickup
-from delivery.smtpd.config import InboundConfig
-from delivery.smtpd.server import (
-    DEFAULT_DB_THREADS,
-    InboundServer,
-    format_address,
-    parse_listen,
-    raise_file_limit,
-)
+from delivery.smtpd.config import InboundConfig, format_address, parse_listen, raise_file_limit
+from delivery.smtpd.server import DEFAULT_DB_THREADS, InboundServer
 
 RESTART_DELAY = 1.0  # seconds before a dead child is started again; doubles while it keeps dying
 RESTART_DELAY_MAX = 30.0
