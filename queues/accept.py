@@ -170,9 +170,7 @@ def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedM
     qid = new_qid()
     prefix, message_id, subject = build_prefix(env, data, qid)
     # Signed once, here, where the body is in memory already (queues.dkim).
-    # Without a key directory there is nothing to sign with: dkim is not consulted.
-    signing = env.dkim_sign and settings.MAILRELAY_DKIM_KEYS_DIR
-    signature, dkim_error = _dkim_signature(qid, prefix, data) if signing else (b"", "")
+    signature, dkim_error = _dkim_signature(qid, prefix, data) if env.dkim_sign else (b"", "")
     message = Message(
         qid=qid,
         state=MessageState.SUBMISSION,

@@ -184,6 +184,18 @@ def test_a_message_whose_from_domain_has_no_key_leaves_unsigned(relay, sink_fact
     assert b"DKIM-Signature" not in sink.messages[0].data
 
 
+def test_a_key_in_the_database_signs_without_a_keys_folder(relay, settings):
+    """No MAILRELAY_DKIM_KEYS_DIR: the keys the database holds (``dkim
+    generate --database``, the UI's) sign all the same."""
+    settings.MAILRELAY_DKIM_KEYS_DIR = ""
+    publish(relay, generate("example.com", "s1", "--ed25519", "--database"))
+    dkim.reset_key_store()
+    message = accept()
+    sent = bytes(message.signature) + bytes(Message.objects.get(pk=message.pk).data)
+    assert sent.startswith(b"DKIM-Signature: v=1; a=ed25519-sha256;")
+    assert dkimpy.verify(sent, dnsfunc=txt_lookup(relay))
+
+
 def test_a_subdomain_sender_and_the_signing_domain_use_their_keys(relay, settings):
     publish(relay, generate("example.com", "s1", "--ed25519"))
     publish(relay, generate("relay.test", "r1", "--ed25519"))

@@ -31,7 +31,7 @@ PROJECT = tuple(str(ROOT / p) + "/" for p in ("delivery", "queues", "tracking", 
 # Measured; pinned so that a file added to the path is a decision. The issue's
 # target is 13: the 800-line and 80-line limits split the big modules (38 → 48
 # files); README "The path of one message" says what stands between.
-PATH_FILES = 19
+PATH_FILES = 20
 
 MESSAGE = (
     "From: a@example.org\r\nTo: b@example.net\r\nSubject: path\r\n"
