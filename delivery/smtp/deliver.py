@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -482,7 +483,7 @@ def _deliver_round(
         limit = shaped.limit
     # The round's reads ride out a database restart as its writes do (while
     # the link's claim is held): an outage here must not end the task.
-    tries = iter(range(1 << 30))
+    tries = itertools.count()
     ids = while_connected(claim, lambda: claim_round(link.pk, owner, limit, next(tries) > 0))
     if not ids:
         return 0
