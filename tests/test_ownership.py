@@ -527,6 +527,36 @@ def test_a_delivery_task_run_again_after_an_outage_keeps_its_link(relay, sink_fa
     assert Link.objects.get().lease_owner == ""
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("where", ["the claim's lost reply", "the busy links"])
+def test_a_categorizer_task_rides_out_its_connection_cut(relay, bells, where):
+    """The categorizer's claim commits and its reply is lost with the session
+    (a PostgreSQL restart): the task runs again once the database answers,
+    under the same owner, and routes the batch it holds at once — not after
+    the lease and the reclaim, which would bring the messages back isolated,
+    one a batch. Cut after the batch committed (the running links looked up),
+    it rings every link it placed on."""
+    from django.db import connection
+
+    from delivery.qmgr.tasks import categorize
+
+    relay.a("example.net", "127.0.0.2")
+    ids = [accept(f"u{i}@example.net").pk for i in range(3)]
+    if where == "the claim's lost reply":
+        cut = CutOnce(lambda sql: "SET state = 'categorizing'" in sql, after=True)
+    else:
+        cut = CutOnce(lambda sql: sql.startswith('SELECT "queues_link"."id" AS "id" FROM'))
+    started = time.monotonic()
+    with connection.execute_wrapper(cut):
+        assert categorize() == 3
+    assert cut.cut
+    assert time.monotonic() - started < 10
+    rows = Message.objects.filter(pk__in=ids)
+    assert set(rows.values_list("state", flat=True)) == {MessageState.QUEUED}
+    assert set(rows.values_list("isolate", "crash_count")) == {(False, 0)}
+    assert Link.objects.get().pk in bells.links
+
+
 def deliver_watching(sink, link_id: int) -> tuple[int, list[tuple[int, int]]]:
     """``deliver_link`` while a thread samples, every 10 ms, (MAIL commands the
     sink has seen, recipients recorded delivered); returns both."""

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import NamedTuple
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import QuerySet
 
 from delivery.qmgr import bell
@@ -22,7 +22,7 @@ from delivery.smtp import retry
 from queues import counters, transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
-from queues.dberrors import is_outage
+from queues.dberrors import drop_connection, is_outage
 from queues.lib import clock
 from queues.models import (
     Attempt,
@@ -302,8 +302,14 @@ def _notify_failures(recipient_ids: list[int], now) -> None:
         notify(dsn.FAILURE, message, by_message[message.pk], now=now)
 
 
-def categorize_pending(owner: str | None = None, limit: int | None = None) -> int:
+def categorize_pending(
+    owner: str | None = None, limit: int | None = None, *, held_first: bool = False
+) -> int:
     """Route one batch of submitted messages. Returns how many messages it took.
+
+    ``held_first``: the batch is what ``owner`` claimed already and still
+    holds, if anything (a task run again after an outage: the claim may have
+    committed with its reply lost).
 
     Steps:
     1. claim a batch of due Submission messages (row locks, SKIP LOCKED); a message
@@ -319,7 +325,9 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
     owner = owner or worker_id()
     limit = limit or settings.MAILRELAY_CATEGORIZER_BATCH
     acquired_at = time.monotonic()  # the claim's lease runs from its request
-    claimed = claim_counted(owner, limit)
+    lease = settings.MAILRELAY_DELIVERY_LEASE
+    claimed = Message.objects.claim_held(owner, clock.now(), lease) if held_first else []
+    claimed = claimed or claim_counted(owner, limit)
     if not claimed:
         return 0
     ids = [mid for mid, _ in claimed]
@@ -353,18 +361,25 @@ def categorize_pending(owner: str | None = None, limit: int | None = None) -> in
                 _release_after_crash(mid, count=True)
     # A link whose delivery task is running needs no new task: that task looks
     # for due work again after it lets go of the link (delivery.deliver_link).
-    busy = (
-        set(
-            Link.objects.filter(id__any=links, lease_until__gt=clock.now()).values_list(
-                "id", flat=True
-            )
-        )
-        if links
-        else set()
-    )
-    for link_id in sorted(links - busy):
+    for link_id in sorted(links - _busy(links)):
         bell.ring_link(link_id)
     return len(ids) + len(poisoned)
+
+
+def _busy(links: set[int]) -> set[int]:
+    """Those of ``links`` whose delivery task runs (it looks for due work again
+    after it lets go); none when the database went away after the batch
+    committed: a ring too many costs a task that finds its link held."""
+    if not links:
+        return set()
+    try:
+        held = Link.objects.filter(id__any=links, lease_until__gt=clock.now())
+        return set(held.values_list("id", flat=True))
+    except (OperationalError, InterfaceError) as exc:
+        if not is_outage(exc):
+            raise
+        drop_connection()
+        return set()
 
 
 def _process(ids: list[int], owner: str, claim: Claim | None = None) -> set[int]:

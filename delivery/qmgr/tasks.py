@@ -26,14 +26,21 @@ CATEGORIZE_SLICE_SECONDS = 30
 
 
 @shared_task(name="delivery.tasks.categorize")
-@waits_for_database
-def categorize() -> int:
+def categorize() -> int | None:
+    # One owner across the reruns an outage costs, as deliver_link below: a
+    # rerun first finishes the batch an earlier run claimed (its reply lost).
+    return waits_for_database(_categorize)(worker_id())
+
+
+def _categorize(owner: str) -> int:
     started = time.monotonic()
     total = 0
     gather = settings.MAILRELAY_CATEGORIZER_BATCH_WAIT.total_seconds()
     full = settings.MAILRELAY_CATEGORIZER_BATCH
+    held_first = True
     while True:
-        taken = categorize_pending(limit=full)
+        taken = categorize_pending(owner, limit=full, held_first=held_first)
+        held_first = False
         total += taken
         if not taken:
             return total

@@ -144,6 +144,20 @@ class MessageFlow(models.QuerySet):
         """Messages a categorizer still holds (its claim not taken back meanwhile)."""
         return self.filter(state=MessageState.CATEGORIZING, lease_owner=owner)
 
+    def claim_held(self, owner: str, now: datetime, lease: timedelta) -> list[tuple[int, int]]:
+        """What ``owner`` claimed and still holds, its lease renewed: (id,
+        crash_count) pairs, as the claim returns them. A categorizer task run
+        again after an outage takes back its batch whose claim committed but
+        whose reply was lost (an expired lease is the reclaim's, not taken)."""
+        with transaction.atomic():
+            held = (
+                self.owned_by(owner).filter(lease_until__gt=now).select_for_update(skip_locked=True)
+            )
+            pairs = sorted(held.values_list("id", "crash_count"))
+            if pairs:
+                self.filter(id__in=[mid for mid, _ in pairs]).update(lease_until=now + lease)
+        return pairs
+
     def renew(self, owner: str, until: datetime) -> int:
         return self.owned_by(owner).update(lease_until=until)
 
