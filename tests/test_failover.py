@@ -42,7 +42,7 @@ def test_kill_9_of_the_primary_and_promotion_of_a_synchronous_standby(
 ) -> None:
     pids = {name: proc.pid for name, proc in cluster.procs.items()}
     result = run_failover(cluster, messages=300, rate=40, kill_after=60, settle=75)
-    where = f"{result}; logs in {cluster.logs}"
+    where = f"{result}; logs in {cluster.logs}\n{cluster.log_tails()}"
     assert result.acknowledged >= 250, where
     assert not result.lost, where
     assert 0 <= result.accepting_after_promotion <= 15, where

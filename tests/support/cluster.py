@@ -669,6 +669,15 @@ class Cluster:
         if self._own_workdir and not os.environ.get("FAULTS_KEEP_CLUSTER"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def log_tails(self, lines: int = 30) -> str:
+        """The last lines of every process's log, for a failure's message (the
+        folder goes with ``stop`` unless FAULTS_KEEP_CLUSTER)."""
+        parts = []
+        for path in sorted(self.logs.glob("*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append("\n".join([f"--- {path.name}", *tail]))
+        return "\n".join(parts)
+
     def __enter__(self) -> Cluster:
         try:
             return self.start()

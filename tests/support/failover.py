@@ -384,7 +384,10 @@ def run_failover(
     load = Load(cluster.smtp_port, messages, rate, clients, deadline=settle + 120)
     try:
         if not cluster.wait_sink_count(kill_after, 120):
-            raise RuntimeError(f"only {len(cluster.sink.messages)} delivered before the kill")
+            raise RuntimeError(
+                f"only {len(cluster.sink.messages)} delivered before the kill\n"
+                + cluster.log_tails()
+            )
         result.in_flight_at_kill = len(cluster.in_flight())
         with cluster.sink._cond:
             result.open_connections_at_kill = cluster.sink.active_connections
