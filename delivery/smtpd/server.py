@@ -479,10 +479,10 @@ class LoopReply:
 
     def _settle(self, settle: Callable[[Any], None], value: object) -> None:
         if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(_settle, self.future, settle, value)
+            self.loop.call_soon_threadsafe(_settle_on_loop, self.future, settle, value)
 
 
-def _settle(future: asyncio.Future, settle: Callable[[Any], None], value: object) -> None:
+def _settle_on_loop(future: asyncio.Future, settle: Callable[[Any], None], value: object) -> None:
     if not future.cancelled():
         settle(value)
 
