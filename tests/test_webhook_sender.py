@@ -21,7 +21,7 @@ from queues.lib import clock
 from queues.models import AuditEntry
 from tests.support.operator_factories import make_user
 from tests.test_webhooks import Receiver, free_port
-from tracking import endpoints, record, sender, tasks
+from tracking import endpoints, record, sender, signing, tasks
 from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
 pytestmark = pytest.mark.django_db
@@ -255,3 +255,67 @@ def test_the_secret_is_shown_once_at_creation_and_rotation():
     assert operator.post(f"/api/v1/webhooks/{ep.pk}/rotate-secret/").status_code == 403
     assert operator.post(f"/webhooks/{ep.pk}/rotate-secret/").status_code == 403
     assert AuditEntry.objects.filter(action="webhook_rotate_secret").count() == 2
+
+
+# A PostgreSQL restart while the sender works (the owner's session ended, as a
+# restart ends it): before a statement, or after its COMMIT with the reply lost.
+CUT_AT = {
+    "the claim's reply": (
+        lambda sql: 'SET "lease_owner"' in sql and '"id" IN (' in sql,
+        True,
+    ),
+    "the record": (lambda sql: sql.startswith('INSERT INTO "tracking_webhookattempt"'), False),
+    "the record's reply": (
+        lambda sql: 'SET "lease_owner"' in sql and '"lease_owner" = ' in sql.split("WHERE")[-1],
+        True,
+    ),
+}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("where", sorted(CUT_AT))
+def test_a_database_restart_while_sending_costs_no_lease_and_no_second_post(receiver, where):
+    from django.db import connection
+
+    from tests.test_ownership import CutOnce
+
+    ep = endpoint("hook", url=receiver.url)
+    rows = pending(ep, 3)
+    matches, after = CUT_AT[where]
+    cut = CutOnce(matches, after=after)
+    started = time.monotonic()
+    with connection.execute_wrapper(cut):
+        tasks.send_webhooks()
+    assert cut.cut, "the statement to cut never ran"
+    assert time.monotonic() - started < 10  # not the claim's lease (5 minutes)
+    assert states(ep) == ["delivered"] * 3
+    ids = sorted(headers[signing.EVENT_ID_HEADER] for headers, _ in receiver.requests)
+    assert ids == sorted(str(r.event_id) for r in rows)  # each POSTed once
+    assert WebhookAttempt.objects.count() == 3  # one attempt per POST
+    assert not WebhookDelivery.objects.exclude(lease_owner="").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_post_recorded_again_after_a_lost_reply_counts_one_failure():
+    from django.db import connection
+
+    from tests.test_ownership import CutOnce
+
+    down = Receiver(status=500)
+    try:
+        ep = endpoint("down", url=down.url)
+        pending(ep, 3)
+        matches, _ = CUT_AT["the record's reply"]
+        cut = CutOnce(matches, after=True)
+        with connection.execute_wrapper(cut):
+            tasks.send_webhooks()
+    finally:
+        down.stop()
+    assert cut.cut
+    assert len(down.requests) == 1  # the first failed; the others wait with the endpoint
+    ep.refresh_from_db()
+    assert ep.failures == 1 and ep.down_until is not None
+    assert WebhookAttempt.objects.count() == 1
+    assert states(ep) == ["pending"] * 3
+    assert sorted(WebhookDelivery.objects.values_list("attempts", flat=True)) == [0, 0, 1]
+    assert not WebhookDelivery.objects.exclude(lease_owner="").exists()

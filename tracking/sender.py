@@ -35,9 +35,10 @@ from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 from django.conf import settings
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import Case, F, Q, TextField, Value, When
 
+from queues.dberrors import drop_connection, is_outage
 from queues.lib import clock
 from queues.transitions import new_owner
 from tracking import signing
@@ -206,15 +207,35 @@ def lease_for(limit: int, timeout: float) -> timedelta:
 
 
 def claim(
-    owner: str, now: datetime, limit: int = CLAIM, lease: timedelta = LEASE
+    owner: str,
+    now: datetime,
+    limit: int = CLAIM,
+    lease: timedelta = LEASE,
+    *,
+    held: bool = False,
 ) -> list[WebhookDelivery]:
+    """Lease up to ``limit`` due rows to ``owner``. With ``held`` (a sender's run
+    after a database outage), first the pending rows ``owner`` still holds: a
+    claim whose COMMIT went through while its reply was lost, which would
+    otherwise wait out their lease (at least 5 minutes) before anyone sent them."""
     with transaction.atomic():
-        ids = list(
-            _due(now)
-            .select_for_update(skip_locked=True, of=("self",))
-            .order_by("next_attempt_at", "id")
-            .values_list("id", flat=True)[:limit]
-        )
+        ids: list[int] = []
+        if held:
+            ids = list(
+                WebhookDelivery.objects.filter(
+                    state=DeliveryState.PENDING, lease_owner=owner, lease_until__gt=now
+                )
+                .select_for_update(of=("self",))
+                .order_by("next_attempt_at", "id")
+                .values_list("id", flat=True)[:limit]
+            )
+        if len(ids) < limit:
+            ids += list(
+                _due(now)
+                .select_for_update(skip_locked=True, of=("self",))
+                .order_by("next_attempt_at", "id")
+                .values_list("id", flat=True)[: limit - len(ids)]
+            )
         if not ids:
             return []
         WebhookDelivery.objects.filter(id__in=ids).update(
@@ -267,9 +288,13 @@ def _endpoint_up(endpoint: WebhookEndpoint, at: datetime) -> None:
 
 
 def _endpoint_down(endpoint: WebhookEndpoint, at: datetime, error: str) -> datetime:
-    """One more failure of ``endpoint``: it rests for its back-off; returns until when."""
+    """One more failure of ``endpoint``: it rests for its back-off; returns until
+    when. Its row is locked for the count (another sender may fail it too)."""
     failures = (
-        WebhookEndpoint.objects.filter(pk=endpoint.pk).values_list("failures", flat=True).first()
+        WebhookEndpoint.objects.select_for_update()
+        .filter(pk=endpoint.pk)
+        .values_list("failures", flat=True)
+        .first()
         or 0
     ) + 1
     until = at + backoff(failures)
@@ -328,9 +353,39 @@ def _post_endpoint(
             out.put(_Sent(delivery, result))
 
 
-def _record(sent: _Sent, owner: str, resting: dict[int, datetime]) -> None:
-    """Write what became of one row: its attempt, its new state, its endpoint's."""
+def _record(sent: _Sent, owner: str, resting: dict[int, datetime], until: float) -> None:
+    """Write what became of one row, in one transaction; while the database is
+    away, try again until the monotonic time ``until`` (the claim's lease less
+    a margin). A try whose COMMIT went through but whose reply was lost finds
+    the row no longer held and writes nothing more: one attempt per POST,
+    one failure per failed POST on its endpoint."""
+    delay = 0.2
+    while True:
+        try:
+            with transaction.atomic():
+                _record_once(sent, owner, resting)
+            return
+        except (OperationalError, InterfaceError) as exc:
+            if not is_outage(exc) or time.monotonic() + delay > until:
+                raise
+            drop_connection()
+            log.debug("database unavailable (%s); recording again in %.1fs", exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _record_once(sent: _Sent, owner: str, resting: dict[int, datetime]) -> None:
+    """Its attempt, its new state, its endpoint's, if ``owner`` still holds the row
+    (not when another sender took it over after the lease, nor twice)."""
     delivery, result = sent.delivery, sent.result
+    still_held = (
+        WebhookDelivery.objects.select_for_update()
+        .filter(pk=delivery.pk, lease_owner=owner, state=DeliveryState.PENDING)
+        .exists()
+    )
+    if not still_held:
+        log.info("webhook %s: no longer held by this sender; not recorded", delivery.event_id)
+        return
     endpoint = delivery.endpoint
     deadline = delivery.created_at + settings.MAILRELAY_WEBHOOK_RETRY_FOR
     if result is None:  # waits (with its endpoint), untried
@@ -371,24 +426,28 @@ def _record(sent: _Sent, owner: str, resting: dict[int, datetime]) -> None:
     _finish(delivery, owner, next_attempt_at=next_at, **tried)
 
 
-def send_due(owner: str | None = None, limit: int = CLAIM) -> int:
+def send_due(owner: str | None = None, limit: int = CLAIM, *, held: bool = False) -> int:
     """Send one claim of due webhooks. Returns how many rows it claimed.
 
     Each endpoint's rows are POSTed by a thread of their own (up to
     ``ENDPOINTS_AT_ONCE`` endpoints at once), which touches no database; this
     thread writes each outcome as it comes. One row's error (a URL that
     cannot be sent to, a bug) is recorded on that row and never stops another's.
+    ``held``: first take the rows ``owner`` still holds (see ``claim``).
     """
     owner = owner or owner_id()
     now = clock.now()
     timeout = settings.MAILRELAY_WEBHOOK_TIMEOUT.total_seconds()
     allow_private = settings.MAILRELAY_WEBHOOK_ALLOW_PRIVATE
     lease = lease_for(limit, timeout)
-    batch = claim(owner, now, limit, lease)
+    claimed_at = time.monotonic()
+    batch = claim(owner, now, limit, lease, held=held)
     if not batch:
         return 0
-    # No POST starts that could end after the lease (another sender may take the rows then).
-    last_start = time.monotonic() + lease.total_seconds() - timeout - 30
+    # No POST starts that could end after the lease (another sender may take the rows then),
+    # and no record is tried again after it.
+    last_start = claimed_at + lease.total_seconds() - timeout - 30
+    record_until = claimed_at + lease.total_seconds() - 30
     by_endpoint: dict[int, list[WebhookDelivery]] = {}
     for delivery in batch:
         by_endpoint.setdefault(delivery.endpoint_id, []).append(delivery)
@@ -410,7 +469,7 @@ def send_due(owner: str | None = None, limit: int = CLAIM) -> int:
                 continue
             left -= 1
             try:
-                _record(sent, owner, resting)
+                _record(sent, owner, resting, record_until)
             except Exception:  # noqa: BLE001 - the row is retried when its lease ends
                 log.exception("could not record webhook %s", sent.delivery.event_id)
     return len(batch)

@@ -11,6 +11,7 @@ import time
 from celery import shared_task
 from django.conf import settings
 
+from delivery.qmgr.ownership import waits_for_database
 from queues.lib import clock
 from tracking import partitions, sender
 
@@ -19,12 +20,21 @@ SLICE_SECONDS = 60
 
 @shared_task(name="tracking.tasks.send_webhooks")
 def send_webhooks() -> int:
-    """Send due webhooks until none is due (or a minute passed: then ring again)."""
-    started = time.monotonic()
-    owner = sender.owner_id()
+    """Send due webhooks until none is due (or a minute passed: then ring again).
+
+    The sender's owner token is drawn once: when the database goes away, the
+    task waits for it and runs again as the same owner, first sending what it
+    still holds (a claim committed while its reply was lost), not leaving those
+    rows to wait out their lease."""
+    return waits_for_database(_send_all)(sender.owner_id(), time.monotonic()) or 0
+
+
+def _send_all(owner: str, started: float) -> int:
     total = 0
-    while taken := sender.send_due(owner):
+    held = True  # each run (a rerun after an outage too) first takes what it holds
+    while taken := sender.send_due(owner, held=held):
         total += taken
+        held = False
         if time.monotonic() - started > SLICE_SECONDS:
             send_webhooks.delay()
             break
