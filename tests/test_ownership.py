@@ -506,6 +506,40 @@ def test_a_round_rides_out_its_connection_cut_while_it_reads(relay, sink_factory
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_round_whose_record_crashed_is_parked_across_a_connection_cut(
+    relay, sink_factory, settings, monkeypatch
+):
+    """A bug in the round's record, and then the owner's session ends as the
+    round parks its rows (a PostgreSQL restart): the park is tried again under
+    the claim, so the rows wait their retry interval, not held by a round
+    that is gone until the lease and the reclaim hand them on."""
+    from django.db import connection
+
+    from delivery.smtp import deliver as deliver_module
+
+    sink, link = queued_for_a_sink(relay, sink_factory, 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in recording")
+
+    monkeypatch.setattr(deliver_module, "_record", broken)
+    monkeypatch.setattr(deliver_module, "_record_delivered", broken)  # the early record's
+    cut = CutOnce(
+        lambda sql: sql.startswith('UPDATE "queues_recipient" SET') and '"last_text" = ' in sql
+    )
+    with connection.execute_wrapper(cut):
+        deliver_link(link.pk)
+    assert cut.cut
+    rows = list(Recipient.objects.all())
+    assert {(r.state, r.lease_owner) for r in rows} == {(RecipientState.DEFERRED, "")}
+    assert all(
+        r.next_attempt_at > clock.now() + settings.MAILRELAY_MESSAGE_RETRY_INTERVAL / 2
+        for r in rows
+    )
+    assert set(Message.objects.values_list("crash_count", flat=True)) == {1}
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_delivery_task_run_again_after_an_outage_keeps_its_link(relay, sink_factory):
     """The link's lease is taken, and the reply lost with the connection: the
     task runs again once the database answers, as the same owner, so the lease

@@ -535,7 +535,10 @@ def _deliver_round(
             # Never retry the same batch in a tight loop: park it for a while, and
             # a message that keeps breaking the recording goes to Poison.
             log.exception("recording a delivery round of link %s failed", link.pk)
-            _record_crash(owner)
+            try:  # one transaction, fenced by the owner: safe to repeat
+                while_connected(claim, lambda: _record_crash(owner))
+            except Exception:  # noqa: BLE001 - the lease and the reclaim take them back
+                log.exception("could not park the round of link %s after that", link.pk)
     _report_tls(batch)  # after the record: a lost report must not cost a second copy
     return len(ids)
 
