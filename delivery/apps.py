@@ -16,10 +16,13 @@ class DeliveryConfig(AppConfig):
 
         validate_retry_settings()
 
+        # The doorbells: every stage (and the operator surface) says there is
+        # work by the store's work signals; the tasks module sends the task.
+        from delivery.qmgr import tasks
         from queues.signals import categorizer_work, link_work
 
-        categorizer_work.connect(_ring_categorizer, dispatch_uid="delivery.qmgr.bell.categorizer")
-        link_work.connect(_ring_link, dispatch_uid="delivery.qmgr.bell.link")
+        categorizer_work.connect(tasks.ring_categorizer, dispatch_uid="delivery.tasks.categorizer")
+        link_work.connect(tasks.ring_link, dispatch_uid="delivery.tasks.link")
 
         # An operator's re-route is resolved by the engine's router (the store
         # names the port, the engine plugs in: imports point down).
@@ -27,15 +30,3 @@ class DeliveryConfig(AppConfig):
         from queues.services import reroute
 
         reroute.route_resolver = resolve_override
-
-
-def _ring_categorizer(sender: object, **kwargs: object) -> None:
-    from delivery.qmgr import bell
-
-    bell.ring_categorizer()
-
-
-def _ring_link(sender: object, link_id: int, **kwargs: object) -> None:
-    from delivery.qmgr import bell
-
-    bell.ring_link(link_id)

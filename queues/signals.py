@@ -2,12 +2,14 @@
 engine did, for the read side.
 
 ``queues`` knows nothing of Celery, of the engine or of the read side: the
-engine connects its doorbells to the first two (delivery.apps); tracking
-connects its recorders to the others (tracking.apps), so the engine imports
-nothing of tracking.
+engine connects its doorbells to the first two (delivery.apps →
+delivery.qmgr.tasks); tracking connects its recorders to the others
+(tracking.apps), so the engine imports nothing of tracking.
 
-Work signals are sent after commit:
-``transaction.on_commit(lambda: categorizer_work.send(sender=None))``.
+Work signals are how every stage (ingress, categorizer, sweep, shaping,
+pickup) and the operator surface say there is work; they are sent after the
+commit of that work: ``transaction.on_commit(lambda:
+categorizer_work.send(sender=None))`` inside a transaction.
 Record signals are sent inside the transaction that wrote what they describe:
 their receivers write in it too (tracking.record: in a savepoint of its own,
 so a row that cannot be written never rolls back the delivery it describes).
@@ -18,7 +20,9 @@ from django.dispatch import Signal
 # Messages wait in Submission (new, resubmitted, or released by an operator).
 categorizer_work = Signal()
 # Recipients on link ``link_id`` became due (queue resumed, retry forced, ...).
-link_work = Signal()  # kwargs: link_id
+# kwargs: link_id; countdown (seconds, optional): ring then, not now (raises
+# when the broker cannot take it: the sender says what the sweep does instead).
+link_work = Signal()
 
 # --- what the engine did (sent in its transaction) -------------------------------
 

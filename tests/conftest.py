@@ -20,17 +20,26 @@ def _reset_clock():
 
 
 class BellRecorder:
-    """Stands in for the Celery doorbells in tests that drive the engine in-process."""
+    """Stands in for Celery's ``send_task`` under the doorbells
+    (``delivery.qmgr.tasks``) in tests that drive the engine in-process: the
+    bells run, and what they would send is recorded."""
 
     def __init__(self) -> None:
         self.categorizer = 0
         self.links: list[int] = []
+        self.later: list[tuple[int, float]] = []  # countdown rings: (link id, seconds)
 
-    def ring_categorizer(self) -> None:
-        self.categorizer += 1
+    def send_task(self, name: str, args: tuple = (), countdown: float | None = None, **kw) -> None:
+        from delivery.qmgr import tasks
 
-    def ring_link(self, link_id: int) -> None:
-        self.links.append(link_id)
+        if name == tasks.CATEGORIZE:
+            self.categorizer += 1
+        elif name == tasks.DELIVER_LINK and countdown is not None:
+            self.later.append((args[0], countdown))
+        elif name == tasks.DELIVER_LINK:
+            self.links.append(args[0])
+        else:
+            raise AssertionError(f"no doorbell sends {name}")
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +48,8 @@ def bells(request, monkeypatch):
     if request.node.get_closest_marker("system"):
         yield None
         return
-    from delivery.qmgr import bell
+    from delivery.qmgr import tasks
 
     recorder = BellRecorder()
-    monkeypatch.setattr(bell, "ring_categorizer", recorder.ring_categorizer)
-    monkeypatch.setattr(bell, "ring_link", recorder.ring_link)
+    monkeypatch.setattr(tasks, "current_app", recorder)
     yield recorder

@@ -120,7 +120,7 @@ def imports_of(
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([base] if base else []))
             for alias in node.names:
-                # ``from delivery.qmgr import bell`` imports the module bell.
+                # ``from delivery.qmgr import tasks`` imports the module tasks.
                 target = _resolve(f"{base}.{alias.name}", modules)
                 if target is None or target == module:
                     target = _resolve(base, modules)

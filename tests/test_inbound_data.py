@@ -8,7 +8,7 @@ import threading
 import pytest
 from django.db import connection
 
-from delivery.qmgr import bell
+from delivery.qmgr import tasks
 from delivery.smtpd import server
 from queues.accept import prepared_accept
 from queues.models import Message
@@ -97,7 +97,13 @@ def test_it_commits_and_rings_even_when_the_client_leaves_during_the_commit(ingr
         return prepared_accept(prepared)
 
     monkeypatch.setattr(server, "prepared_accept", slow_accept)  # the commit
-    monkeypatch.setattr(bell, "ring_categorizer", rung.set)
+
+    class App:
+        def send_task(self, name: str, *args: object, **kwargs: object) -> None:
+            assert name == tasks.CATEGORIZE
+            rung.set()
+
+    monkeypatch.setattr(tasks, "current_app", App())
     with ingress.raw() as client:
         open_data(client)
         client.send(RAW + b".\r\n")

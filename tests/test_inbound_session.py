@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from delivery.qmgr import bell
+from delivery.qmgr import tasks
 from delivery.smtpd import server
 from delivery.smtpd import session as smtpd_session
 from queues.accept import prepared_accept
@@ -202,11 +202,13 @@ def test_it_rings_the_categorizer_after_the_commit(ingress, monkeypatch):
     rung = threading.Event()
     committed_when_rung: list[int] = []
 
-    def ring() -> None:
-        committed_when_rung.append(Message.objects.count())
-        rung.set()
+    class App:
+        def send_task(self, name: str, *args: object, **kwargs: object) -> None:
+            assert name == tasks.CATEGORIZE
+            committed_when_rung.append(Message.objects.count())
+            rung.set()
 
-    monkeypatch.setattr(bell, "ring_categorizer", ring)
+    monkeypatch.setattr(tasks, "current_app", App())
     assert ingress.send(RAW)[0] == 250
     assert rung.wait(5)
     assert committed_when_rung == [1]

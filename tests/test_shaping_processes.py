@@ -15,9 +15,9 @@ import pytest
 import redis
 from django.db import close_old_connections
 
-from delivery.qmgr import bell
 from delivery.shaping.limiter import keys
 from queues.models import Link, Recipient, RecipientState
+from queues.signals import link_work
 from tests.test_shaping import PeerLog, peer_log  # noqa: F401 - the fixture
 from tests.test_system import body
 
@@ -112,7 +112,7 @@ def test_two_connections_and_10_per_minute_hold_across_two_worker_processes(
     for member, score in broker.zrange(msgs, 0, -1, withscores=True):
         broker.zadd(msgs, {member: score - 61})
     for link_id in Link.objects.values_list("id", flat=True):
-        bell.ring_link(link_id)
+        link_work.send(sender=None, link_id=link_id)
     wait_until(lambda: delivered() == 16, what="the other six")
     assert sum(len(s.messages) for s in sinks) == 16
     assert peer_log.peak <= 2

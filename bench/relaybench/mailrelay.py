@@ -374,7 +374,14 @@ class Mailrelay:
             row = conn.execute(
                 f"SELECT {cols} FROM pg_stat_database WHERE datname = %s", (DB_NAME,)
             ).fetchone()
-        return dict(zip(PG_STATS, (int(v or 0) for v in row), strict=True)) if row else {}
+            # The whole cluster's WAL (only the bench's database is busy during its
+            # phase): every row and index entry written is a WAL record, the
+            # machine-independent measure of what the store's writes cost.
+            wal = conn.execute("SELECT wal_records, wal_bytes FROM pg_stat_wal").fetchone()
+        stats = dict(zip(PG_STATS, (int(v or 0) for v in row), strict=True)) if row else {}
+        if stats and wal:
+            stats.update(wal_records=int(wal[0] or 0), wal_bytes=int(wal[1] or 0))
+        return stats
 
     def worker_log_offset(self) -> int:
         try:

@@ -209,6 +209,8 @@ def run_figures(phases: list[Phase], loader: str) -> dict[str, float | None]:
     pg = db.pg if db else {}
     out["rows inserted/msg"] = pg["tup_inserted"] / per if "tup_inserted" in pg else None
     out["rows updated/msg"] = pg["tup_updated"] / per if "tup_updated" in pg else None
+    out["WAL records/msg"] = pg["wal_records"] / per if "wal_records" in pg else None
+    out["WAL kB/msg"] = pg["wal_bytes"] / per / 1024 if "wal_bytes" in pg else None
     out["in-relay p99 (s)"] = db.delay_p99 if db else None
     return out
 
@@ -225,6 +227,8 @@ MEDIAN_ROWS = (
     ("cpu ratio", "CPU per message, mailrelay / Postfix", ".2f"),
     ("rows inserted/msg", "PostgreSQL rows inserted / msg", ".2f"),
     ("rows updated/msg", "PostgreSQL rows updated / msg", ".2f"),
+    ("WAL records/msg", "PostgreSQL WAL records / msg", ".1f"),
+    ("WAL kB/msg", "PostgreSQL WAL kB / msg", ".1f"),
     ("in-relay p99 (s)", "in-relay delay p99 (s)", ".2f"),
 )
 

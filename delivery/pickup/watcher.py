@@ -50,6 +50,7 @@ from queues import counters
 from queues.accept import message_accept
 from queues.lib import clock
 from queues.models import Event, EventLevel
+from queues.signals import categorizer_work
 
 log = logging.getLogger(__name__)
 
@@ -382,9 +383,7 @@ def _store(submission: Submission) -> str:
 
 
 def _ring() -> None:
-    from delivery.qmgr import bell  # looked up at call time: tests replace the bell
-
-    bell.ring_categorizer()
+    categorizer_work.send(sender=None)
 
 
 def _event(kind: str, text: str, bad_name: str, reason: str) -> None:

@@ -15,7 +15,6 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import QuerySet
 
-from delivery.qmgr import bell
 from delivery.qmgr.ownership import Claim, while_connected
 from delivery.route.routing import Route, RouteError, Router
 from delivery.smtp import retry
@@ -38,7 +37,7 @@ from queues.models import (
     RecipientState,
 )
 from queues.placement import special_queue
-from queues.signals import PLACED_FACTS, recipients_placed
+from queues.signals import PLACED_FACTS, link_work, recipients_placed
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +361,7 @@ def categorize_pending(
     # A link whose delivery task is running needs no new task: that task looks
     # for due work again after it lets go of the link (delivery.deliver_link).
     for link_id in sorted(links - _busy(links)):
-        bell.ring_link(link_id)
+        link_work.send(sender=None, link_id=link_id)
     return len(ids) + len(poisoned)
 
 

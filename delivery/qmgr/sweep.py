@@ -14,7 +14,6 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
-from delivery.qmgr import bell
 from queues import counters
 from queues.bounce import dsn
 from queues.bounce.notify import notify
@@ -34,7 +33,7 @@ from queues.models import (
 from queues.placement import special_queue
 from queues.services.counts import queues_recount
 from queues.services.timed import end_due as end_timed_actions
-from queues.signals import recipients_expired
+from queues.signals import categorizer_work, link_work, recipients_expired
 
 log = logging.getLogger(__name__)
 
@@ -232,11 +231,11 @@ def reclaim() -> SweepReport:
     report.timed_ended = end_timed_actions(clock.now()).total
     if report.messages_reclaimed:
         report.categorizer_rung = True
-        bell.ring_categorizer()
+        categorizer_work.send(sender=None)
     if report.recipients_reclaimed or report.links_reclaimed:
         report.links_rung = _links_with_due_work()
         for link_id in report.links_rung:
-            bell.ring_link(link_id)
+            link_work.send(sender=None, link_id=link_id)
     return report
 
 
@@ -266,10 +265,10 @@ def sweep() -> SweepReport:
         state=MessageState.SUBMISSION, next_attempt_at__lte=clock.now(), suspended=False
     ).exists():
         report.categorizer_rung = True
-        bell.ring_categorizer()
+        categorizer_work.send(sender=None)
     report.links_rung = _links_with_due_work()
     for link_id in report.links_rung:
-        bell.ring_link(link_id)
+        link_work.send(sender=None, link_id=link_id)
     _purge_completed(report)
     # The Queue Viewer's counts, rates and last-hour history come from here,
     # never from counting messages on a page view.

@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 import redis
 from django.conf import settings
 
-from delivery.qmgr import bell
 from delivery.shaping import adaptive, policy
 from delivery.shaping import limiter as limiter_module
 from delivery.shaping.limiter import Grant, Limiter, limiter, warn_unavailable
@@ -40,6 +39,7 @@ from delivery.smtp.connection import ClientConfig
 from delivery.smtp.types import BatchResult, OutboundMessage
 from queues.lib import clock
 from queues.models import Link, Queue
+from queues.signals import link_work
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class ShapedRound:
 
 
 def _ring(link_id: int) -> None:
-    bell.ring_link(link_id)
+    link_work.send(sender=None, link_id=link_id)
 
 
 def ring_later(link_id: int, seconds: float) -> None:
@@ -282,7 +282,9 @@ def ring_later(link_id: int, seconds: float) -> None:
     Capped below the Redis broker's visibility timeout (1 h), past which a
     waiting task would be handed out twice."""
     try:
-        bell.ring_link_in(link_id, min(max(0.1, seconds), MAX_COUNTDOWN))
+        link_work.send(
+            sender=None, link_id=link_id, countdown=min(max(0.1, seconds), MAX_COUNTDOWN)
+        )
     except Exception:  # noqa: BLE001 - the sweep rings due links anyway
         log.warning("could not schedule the wake-up of link %s", link_id, exc_info=True)
 

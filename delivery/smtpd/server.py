@@ -56,7 +56,6 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError, connection, connections
 
 from delivery.backpressure.samplers import InFlight
-from delivery.qmgr import bell
 from delivery.qmgr.ownership import OUTAGE, first_line, is_unavailable
 from delivery.smtpd import policy
 from delivery.smtpd.authlimit import AuthLimiter
@@ -75,6 +74,7 @@ from queues.dberrors import drop_connection
 from queues.lib import author_addresses
 from queues.models import MessageSource
 from queues.services import accounts
+from queues.signals import categorizer_work
 
 if TYPE_CHECKING:
     from delivery.backpressure.monitor import Monitor
@@ -649,8 +649,7 @@ RING_INTERVAL = 0.1  # seconds; one categorizer task per ring: batches, not a ta
 
 
 def _ring() -> None:
-    # Looked up at call time: tests replace bell.ring_categorizer.
-    bell.ring_categorizer()
+    categorizer_work.send(sender=None)  # the doorbell (delivery.qmgr.tasks)
 
 
 class CoalescedBell:
