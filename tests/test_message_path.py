@@ -7,12 +7,11 @@ project function called while one message goes from ``DATA`` over SMTP into
 the relay, through the categorizer, a delivery round and the next hop's 250.
 A first message warms everything up (imports, caches, the link), so what is
 counted is the steady path. The doorbells ring for real (the store's work
-signals and ``delivery.qmgr.tasks``); only Celery's ``send_task`` is the test's
-recorder (no broker). The engine is
-driven as the workers drive it: the Celery task ``categorize`` runs (its
-function, in this process), then the task ``deliver_link`` of each link the
-categorizer rang (not the sweeper's scan of due links, which is not on a
-message's path).
+signals and ``delivery.qmgr.tasks``); only Celery's ``send_task`` is the
+test's recorder (no broker). The engine is driven as the workers drive it:
+the Celery task ``categorize`` runs (its function, in this process), then the
+task ``deliver_link`` of each link the categorizer rang (not the sweeper's
+scan of due links, which is not on a message's path).
 
 The README's "The path of one message through the files" names these files.
 """

@@ -530,6 +530,9 @@ class Outcome:
     recovered_s: float | None  # fault -> last accepted message at the sink
     b_round: int  # messages B's round held at the fault and not yet at the sink
     b_round_by_a: int  # of those, delivered by A within STRANDED_WITHIN
+    # of those, delivered once by B itself after ``fault_at`` and recorded (A never
+    # sent them): the fault took hold a moment after ``fault_at`` (iptables runs)
+    b_round_by_b: int
     b_round_last_s: float | None
     left: dict[str, int]
     measured: dict[str, int]
@@ -553,6 +556,7 @@ def delivery_figures(sink: HostSink, accepted: list[str], held: set[str], fault_
         if a.mid in stranded and a.host == "a" and a.at > fault_at:
             by_a.setdefault(a.mid, a.at)
     in_time = [at for at in by_a.values() if at <= fault_at + STRANDED_WITHIN]
+    by_b = [m for m in stranded if m in first and first[m].host == "b" and m not in by_a]
     times: dict[str, list[str]] = {}
     for a in arrivals:
         if a.mid is not None and copies[a.mid] > 1:
@@ -565,6 +569,7 @@ def delivery_figures(sink: HostSink, accepted: list[str], held: set[str], fault_
         "recovered_s": None if missing else last - fault_at,
         "b_round": len(stranded),
         "b_round_by_a": len(in_time),
+        "b_round_by_b": len(by_b),
         "b_round_last_s": max(by_a.values()) - fault_at if by_a else None,
     }
 
@@ -670,7 +675,8 @@ def table_row(o: Outcome) -> str:
         f" | **{s.after_valid}** / {s.after_expiry} / {s.after_takeover}; {s.under_new_claim}"
         f" | +{_s(o.expiry_s)} s / +{_s(o.takeover_s)} s"
         f" | {_s(o.recovered_s, 'not recovered')} s"
-        f" | {o.b_round_by_a} of {o.b_round} (+{_s(o.b_round_last_s)} s) | {left}"
+        f" | {o.b_round_by_a} of {o.b_round} (+{_s(o.b_round_last_s)} s)"
+        f"{f', {o.b_round_by_b} by B itself' if o.b_round_by_b else ''} | {left}"
         f" | {'-' if conns is None else conns} |"
     )
 
@@ -761,7 +767,7 @@ def _met(o: Outcome) -> bool:
         return False
     if o.fault == "kill9":
         return o.duplicates <= o.measured.get("outbound_open_at_kill", 0)
-    return o.sends.after_valid == 0 and o.b_round_by_a == o.b_round
+    return o.sends.after_valid == 0 and o.b_round_by_a + o.b_round_by_b == o.b_round
 
 
 if __name__ == "__main__":
