@@ -35,10 +35,10 @@ from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import transaction
 from django.db.models import Case, F, Q, TextField, Value, When
 
-from queues.dberrors import drop_connection, is_outage
+from delivery.qmgr.ownership import retry_outages
 from queues.lib import clock
 from queues.transitions import new_owner
 from tracking import signing
@@ -359,19 +359,12 @@ def _record(sent: _Sent, owner: str, resting: dict[int, datetime], until: float)
     a margin). A try whose COMMIT went through but whose reply was lost finds
     the row no longer held and writes nothing more: one attempt per POST,
     one failure per failed POST on its endpoint."""
-    delay = 0.2
-    while True:
-        try:
-            with transaction.atomic():
-                _record_once(sent, owner, resting)
-            return
-        except (OperationalError, InterfaceError) as exc:
-            if not is_outage(exc) or time.monotonic() + delay > until:
-                raise
-            drop_connection()
-            log.debug("database unavailable (%s); recording again in %.1fs", exc, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+
+    def once() -> None:
+        with transaction.atomic():
+            _record_once(sent, owner, resting)
+
+    retry_outages(once, lambda: time.monotonic() < until)
 
 
 def _record_once(sent: _Sent, owner: str, resting: dict[int, datetime]) -> None:

@@ -147,7 +147,19 @@ def while_connected(claim: Claim, work: Callable[[], T]) -> T:
     reconnect and run it again for as long as the claim is held, renewing it,
     so an outage shorter than a lease costs a moment, not the claim (and not a
     second copy of what a round already sent). ``work`` must be safe to repeat:
-    one transaction, fenced by the owner token. A data error (queues.dberrors:
+    one transaction, fenced by the owner token."""
+
+    def still_held() -> bool:
+        claim.renew()  # keeps the claim across the outage, or finds it lost
+        return claim.held()
+
+    return retry_outages(work, still_held)
+
+
+def retry_outages(work: Callable[[], T], may_retry: Callable[[], bool]) -> T:
+    """Run ``work``; when the database connection breaks, reconnect and run it
+    again (after 0.2 s, doubling up to 5 s) for as long as ``may_retry()`` says
+    (the owner still holds what ``work`` writes). A data error (queues.dberrors:
     a value or an index row too large, a constraint) is not an outage: it is
     raised at once, not tried again."""
     delay = 0.2
@@ -160,8 +172,7 @@ def while_connected(claim: Claim, work: Callable[[], T]) -> T:
             if not is_outage(exc):
                 raise
             drop_connection()
-            claim.renew()  # keeps the claim across the outage, or finds it lost
-            if not claim.held():
+            if not may_retry():
                 raise
             OUTAGE.failed(exc)  # logged once per outage
             log.debug("database unavailable (%s); trying again in %.1fs", exc, delay)
