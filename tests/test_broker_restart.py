@@ -185,5 +185,8 @@ def test_a_sentinel_broker_url_carries_the_doorbells(processes, private_redis, t
             assert time.monotonic() < deadline, "\n".join(smtp.lines[-20:])
             time.sleep(0.1)
     finally:
+        # The workers stop while their broker still answers (without it a warm
+        # shutdown waits out its grace); then the sentinel goes.
+        processes.stop_all()
         sentinel.kill()
         sentinel.wait(10)

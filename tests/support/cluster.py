@@ -12,9 +12,11 @@ settings except addresses, ports and the route:
   (``make run``) starts them: the commands and the environment are taken from
   ``runall`` itself (its ``_commands()`` and ``_child_env()``; for an older
   ``runall``, its ``_run_all`` with ``subprocess.Popen`` replaced by a
-  recorder), minus the web app. Each runs in its own process group, with its
-  output in ``<workdir>/logs/<name>.log``; ``delivery_worker`` names the one
-  that consumes the ``delivery`` queue (or the only worker);
+  recorder), minus the web app, all started at once as ``runall`` starts
+  them (``stop`` sends each its SIGTERM at once too). Each runs in its own
+  process group, with its output in ``<workdir>/logs/<name>.log``;
+  ``delivery_worker`` names the one that consumes the ``delivery`` queue (or
+  the only worker);
 - a recording SMTP sink (``tests.support.sinks.Sink``, aiosmtpd) as the smart
   host; it keeps every message, so copies are counted by ``Message-ID``.
 
@@ -58,6 +60,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -377,16 +380,35 @@ class Proc:
         self.popen.wait(10)
 
     def stop(self, grace: float = 10) -> None:
+        stop_all([self], grace)
+
+    def terminate(self) -> None:
+        """SIGTERM to the process (a graceful stop; it stops its own children)."""
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.popen.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(grace)
-        # Whatever is left of the group (prefork children) goes too.
+
+    def finish(self, deadline: float) -> None:
+        """Wait for a terminated process until ``deadline``, then SIGKILL what is
+        left of its group (prefork children)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
+
+
+def stop_all(procs: Sequence[Proc], grace: float = 10) -> None:
+    """Stop processes together: each is sent SIGTERM at once, then each gets
+    what is left of ``grace`` to exit before its group is killed."""
+    for proc in reversed(procs):
+        with contextlib.suppress(Exception):
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in reversed(procs):
+        with contextlib.suppress(Exception):
+            proc.finish(deadline)
 
 
 # --- sending ------------------------------------------------------------------------------
@@ -559,17 +581,25 @@ class Cluster:
         return env
 
     def start(self) -> Cluster:
-        self.sink.start()
-        self.pg.init()
-        self.pg.start()
-        self.pg.create_database()
-        self.redis.start()
-        if self.code_origin() != self.root:
-            raise RuntimeError(f"children would import {self.code_origin()}, not {self.root}")
-        self._manage("migrate", "--noinput", "-v", "0")
-        self.commands = self.runall_commands()
+        # What needs no database (where the children import from, runall's
+        # commands) is read while PostgreSQL is made and migrated; then every
+        # child starts at once, as runall starts them, and each is awaited.
+        with ThreadPoolExecutor(2) as pool:
+            origin = pool.submit(self.code_origin)
+            commands = pool.submit(self.runall_commands)
+            self.sink.start()
+            self.pg.init()
+            self.pg.start()
+            self.pg.create_database()
+            self.redis.start()
+            if origin.result() != self.root:
+                raise RuntimeError(f"children would import {origin.result()}, not {self.root}")
+            self._manage("migrate", "--noinput", "-v", "0")
+            self.commands = commands.result()
         for name in self.commands:
-            self.start_process(name)
+            self.launch(name)
+        for name in self.commands:
+            self.await_ready(name)
         return self
 
     def _manage(self, *args: str) -> str:
@@ -644,8 +674,17 @@ class Cluster:
         return next(n for n in self.workers() if n == "worker")
 
     def start_process(self, name: str) -> Proc:
+        """A fresh ``name`` (as a supervisor would start it), awaited until it serves."""
+        self.launch(name)
+        return self.await_ready(name)
+
+    def launch(self, name: str) -> Proc:
         proc = Proc(self.commands[name], self.root, self.logs / f"{name}.log")
         self.procs[name] = proc
+        return proc
+
+    def await_ready(self, name: str) -> Proc:
+        proc = self.procs[name]
         if name == "smtp":
             wait_port(self.smtp_port, 60, proc.alive)
         elif name.startswith("worker"):
@@ -655,9 +694,7 @@ class Cluster:
         return proc
 
     def stop(self) -> None:
-        for name in reversed(list(self.procs)):
-            with contextlib.suppress(Exception):
-                self.procs[name].stop()
+        stop_all(list(self.procs.values()))
         if self._db is not None:
             with contextlib.suppress(Exception):
                 self._db.close()

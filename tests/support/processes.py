@@ -7,11 +7,13 @@ in production.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from django.db import connection
 
 ROOT = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).parent / "celery")
+STOP_GRACE = 15.0  # seconds a stopped process has to exit before it is killed
 
 
 def test_env(**overrides: str) -> dict[str, str]:
@@ -98,12 +101,21 @@ class Proc:
         self.popen.wait(10)
 
     def stop(self) -> None:
+        self.terminate()
+        self.finish(time.monotonic() + STOP_GRACE)
+
+    def terminate(self) -> None:
+        """SIGTERM to the whole process group: a graceful stop."""
         if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+
+    def finish(self, deadline: float) -> None:
+        """Wait for a terminated process until ``deadline``; then SIGKILL it."""
+        try:
+            self.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
 
 
 class ProcessRunner:
@@ -175,8 +187,12 @@ class ProcessRunner:
         return proc
 
     def stop_all(self) -> None:
+        """Every process sent SIGTERM at once, then each awaited (STOP_GRACE in all)."""
         for proc in self.procs:
-            proc.stop()
+            proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE
+        for proc in self.procs:
+            proc.finish(deadline)
 
 
 @pytest.fixture
