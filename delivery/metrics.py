@@ -4,7 +4,9 @@ Two kinds of numbers:
 
 - **counted events** (accepted, delivered, deferred, failed, attempts by
   reply class, SMTP accept latency, DSNs, pickup files) are incremented
-  where they happen, in whichever process (``queues.counters``). With
+  in whichever process sees them (``queues.counters``' instruments: the
+  read side counts from the store's signals, ``tracking.record``; the
+  ingress and the pickup watcher count their accepts). With
   ``PROMETHEUS_MULTIPROC_DIR`` set, every process writes them to files in
   that folder and this view sums the files of all of them; without it, the
   view can only show the counts of the process that serves it.

@@ -8,29 +8,30 @@ back-pressure readings) is not counted here: ``delivery.metrics`` reads it
 at scrape time (this module is ``counters``, not ``metrics``, so the two
 never shadow each other).
 
+Who counts: what a message went through (delivery attempts by reply class,
+recipients delivered, deferred and failed, DSNs queued, recipients expired)
+is counted by the read side from the store's signals, beside the tracking
+rows of the same facts (``tracking.record``); the SMTP ingress counts and
+times its own accepts (``delivery.smtpd.server``), the pickup watcher its
+files and messages (the helpers below).
+
 Several processes (ingress, workers, web) each count their own events. With
 ``PROMETHEUS_MULTIPROC_DIR`` set in the environment of every process
 *before it starts* (prometheus_client reads it on import), each process
 writes its values to files in that folder and ``GET /metrics`` sums them;
 see docs/metrics.md.
 
-The ``record_*``/``count_*`` helpers count only what was committed: called
-inside a transaction they wait for the commit (``transaction.on_commit``),
-outside one they count at once.
+Everything counts only what was committed: inside a transaction the count
+waits for the commit (``transaction.on_commit``), outside one it counts at
+once.
 """
 
 from __future__ import annotations
-
-import time
-from collections.abc import Awaitable, Iterable
-from typing import Any, TypeVar
 
 from django.db import transaction
 from prometheus_client import Counter, Histogram, disable_created_metrics
 
 from queues.lib import DSN_KINDS
-
-T = TypeVar("T")
 
 # The *_created series (when a counter was created) exist only in single-process
 # mode and double the output; the same series in both modes.
@@ -95,89 +96,12 @@ for _folder in ("pickup", "replay"):
         PICKUP_FILES.labels(folder=_folder, outcome=_outcome)
 
 
-def reply_class(code: int | None) -> str:
-    """``250`` → "2xx"; None (no reply at all) → "none"."""
-    if code is None or not 200 <= code < 600:
-        return "none"
-    return f"{code // 100}xx"
-
-
-def _failure_reason(code: int | None, enhanced: str) -> str:
-    # A recipient made final while its last answer was temporary ran out of retries.
-    if (code is not None and 400 <= code < 500) or enhanced.startswith("4."):
-        return "retry_timeout"
-    return "permanent"
-
-
 # --------------------------------------------------------------------------- helpers
 
 
-async def timed_accept(awaitable: Awaitable[T], source: str = "smtp") -> T:
-    """Await a message's commit, timing it; count it accepted when it succeeded.
-
-    The ingress wraps its store call: ``qid = await metrics.timed_accept(server.store(...))``.
-    """
-    started = time.perf_counter()
-    result = await awaitable
-    SMTP_ACCEPT_SECONDS.observe(time.perf_counter() - started)
-    MESSAGES_ACCEPTED.labels(source=source).inc()
-    return result
-
-
 def count_accepted(source: str) -> None:
-    """One message committed (pickup and replay; the ingress uses timed_accept)."""
+    """One message committed (pickup and replay; the SMTP ingress counts its own)."""
     transaction.on_commit(lambda: MESSAGES_ACCEPTED.labels(source=source).inc())
-
-
-def record_delivery(attempts: Iterable[Any], recipients: Iterable[Any] | None = None) -> None:
-    """Count one round's attempts by reply class, and its recipients' outcomes.
-
-    ``attempts``: Attempt-like objects (``code``, ``enhanced``, ``outcome``).
-    ``recipients``: the rows as the round left them (``state``, ``last_code``,
-    ``last_enhanced``); without them the outcomes are the attempts' own (the
-    categorizer's routing failures, where the two are the same).
-    """
-    classes: dict[str, int] = {}
-    for a in attempts:
-        key = reply_class(a.code)
-        classes[key] = classes.get(key, 0) + 1
-    delivered = deferred = 0
-    failed: dict[str, int] = {}
-    if recipients is None:
-        rows = [(a.outcome, a.code, a.enhanced) for a in attempts]
-    else:
-        rows = [(r.state, r.last_code, r.last_enhanced) for r in recipients]
-    for state, code, enhanced in rows:
-        if state == "delivered":
-            delivered += 1
-        elif state == "deferred":
-            deferred += 1
-        elif state == "failed":
-            reason = _failure_reason(code, enhanced or "")
-            failed[reason] = failed.get(reason, 0) + 1
-
-    def count() -> None:
-        for key, n in classes.items():
-            DELIVERY_ATTEMPTS.labels(reply_class=key).inc(n)
-        if delivered:
-            RECIPIENTS_DELIVERED.inc(delivered)
-        if deferred:
-            RECIPIENTS_DEFERRED.inc(deferred)
-        for reason, n in failed.items():
-            RECIPIENTS_FAILED.labels(reason=reason).inc(n)
-
-    transaction.on_commit(count)
-
-
-def count_expired(recipients: int) -> None:
-    """Recipients failed because their message expired (the sweep)."""
-    if recipients:
-        transaction.on_commit(lambda: RECIPIENTS_FAILED.labels(reason="expired").inc(recipients))
-
-
-def count_dsn(kind: str) -> None:
-    """One DSN of ``kind`` (queues.bounce.dsn.FAILURE / DELAY / SUCCESS) queued."""
-    transaction.on_commit(lambda: DSNS_SENT.labels(kind=kind).inc())
 
 
 def count_pickup_file(folder: str, outcome: str) -> None:

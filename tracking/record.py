@@ -1,5 +1,6 @@
 """What the store's facts become: tracking rows, one INSERT per batch, the webhook
-outbox rows in the same transaction, the event-log lines after its commit.
+outbox rows in the same transaction, the event-log lines and the Prometheus
+counters after its commit.
 
 The store's signals (``recipients_placed``, ``attempts_recorded``, ...;
 ``tracking.apps`` connects them) reach the hooks at the end of this module,
@@ -28,6 +29,7 @@ from celery import current_app
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 
+from queues import counters
 from queues.bulk import insert_json, jsonb_payload, jsonb_rows
 from queues.lib import clock, scrub_nul
 from queues.models import AuditEntry, DeliveryType, Link, Message, Queue, RecipientState
@@ -340,6 +342,83 @@ def ring() -> None:
 
 
 # ----------------------------------------------------------------------------
+# The Prometheus counters (queues.counters' instruments) that the same signals
+# feed: the engine counts nothing itself, so a count and the tracking rows
+# tell the same story. Counted when the store's transaction commits (a try
+# that rolled back counts nothing).
+# ----------------------------------------------------------------------------
+
+
+def reply_class(code: int | None) -> str:
+    """``250`` → "2xx"; None (no reply at all) → "none"."""
+    if code is None or not 200 <= code < 600:
+        return "none"
+    return f"{code // 100}xx"
+
+
+def _failure_reason(code: int | None, enhanced: str) -> str:
+    # A recipient made final while its last answer was temporary ran out of retries.
+    if (code is not None and 400 <= code < 500) or enhanced.startswith("4."):
+        return "retry_timeout"
+    return "permanent"
+
+
+def _count(
+    classes: Mapping[str, int], delivered: int, deferred: int, failed: Mapping[str, int]
+) -> None:
+    def count() -> None:
+        for key, n in classes.items():
+            counters.DELIVERY_ATTEMPTS.labels(reply_class=key).inc(n)
+        if delivered:
+            counters.RECIPIENTS_DELIVERED.inc(delivered)
+        if deferred:
+            counters.RECIPIENTS_DEFERRED.inc(deferred)
+        for reason, n in failed.items():
+            counters.RECIPIENTS_FAILED.labels(reason=reason).inc(n)
+
+    transaction.on_commit(count)
+
+
+def count_round(attempts: Iterable[Any], recipients: Iterable[Any]) -> None:
+    """A round's attempts by reply class, and its recipients (the rows it could
+    still write: ``state``, ``last_code``, ``last_enhanced``) by outcome."""
+    classes: dict[str, int] = {}
+    for a in attempts:
+        key = reply_class(a.code)
+        classes[key] = classes.get(key, 0) + 1
+    delivered = deferred = 0
+    failed: dict[str, int] = {}
+    for r in recipients:
+        if r.state == RecipientState.DELIVERED:
+            delivered += 1
+        elif r.state == RecipientState.DEFERRED:
+            deferred += 1
+        elif r.state == RecipientState.FAILED:
+            reason = _failure_reason(r.last_code, r.last_enhanced or "")
+            failed[reason] = failed.get(reason, 0) + 1
+    _count(classes, delivered, deferred, failed)
+
+
+def count_unroutable(placements: Mapping[str, Any]) -> None:
+    """The categorizer's routing failures: one attempt without a reply per
+    recipient, failed (to the dead letters) or deferred (Unreachable)."""
+    attempts = deferred = 0
+    failed: dict[str, int] = {}
+    for placement in placements.values():
+        n = len(placement.recipient_ids)
+        if placement.route is not None or not n:
+            continue
+        attempts += n
+        if placement.error.permanent:
+            reason = _failure_reason(None, placement.error.enhanced)
+            failed[reason] = failed.get(reason, 0) + n
+        else:
+            deferred += n
+    if attempts:
+        _count({"none": attempts}, 0, deferred, failed)
+
+
+# ----------------------------------------------------------------------------
 # The receivers that record a message's life, from the queue store's signals
 # (connected in tracking.apps; the engine and the store import nothing of this app).
 #
@@ -538,26 +617,37 @@ def expired(recipients: list[Any], now: datetime, reason: str) -> None:
 
 
 def on_placed(sender: object, **kwargs: Any) -> None:
-    """queues.signals.recipients_placed: ``placed``."""
+    """queues.signals.recipients_placed: ``placed``, and the routing failures counted."""
     placed(kwargs["placements"], kwargs["now"], kwargs.get("facts"))
+    count_unroutable(kwargs["placements"])
 
 
 def on_attempts_recorded(sender: object, **kwargs: Any) -> None:
-    """queues.signals.attempts_recorded: ``attempted``."""
+    """queues.signals.attempts_recorded: ``attempted``, and the round counted."""
+    rows, owned = kwargs["rows"], kwargs.get("owned")
     attempted(
         kwargs["attempts"],
-        kwargs["rows"],
+        rows,
         kwargs["link"],
         kwargs["now"],
         kwargs.get("facts"),
-        owned=kwargs.get("owned"),
+        owned=owned,
         own_savepoint=kwargs.get("own_savepoint", True),
+    )
+    count_round(
+        kwargs["attempts"],
+        [row for rid, row in rows.items() if owned is None or rid in owned],
     )
 
 
 def on_expired(sender: object, **kwargs: Any) -> None:
-    """queues.signals.recipients_expired: ``expired``."""
-    expired(kwargs["recipients"], kwargs["now"], kwargs["reason"])
+    """queues.signals.recipients_expired: ``expired``, and the recipients counted."""
+    recipients = kwargs["recipients"]
+    expired(recipients, kwargs["now"], kwargs["reason"])
+    if recipients:
+        transaction.on_commit(
+            lambda: counters.RECIPIENTS_FAILED.labels(reason="expired").inc(len(recipients))
+        )
 
 
 def on_dsn_sent(
@@ -577,6 +667,7 @@ def on_dsn_sent(
         "message_id": message.message_id,
     }
     detail = {"kind": kind, "dsn_qid": report.qid if report is not None else ""}
+    transaction.on_commit(lambda: counters.DSNS_SENT.labels(kind=kind).inc())
     write(
         [
             new(events.DSN_SENT, now, recipient=r.address, detail=detail, **fields)

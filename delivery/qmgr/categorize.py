@@ -18,7 +18,7 @@ from django.db.models import QuerySet
 from delivery.qmgr.ownership import Claim, while_connected
 from delivery.route.routing import Route, RouteError, Router
 from delivery.smtp import retry
-from queues import counters, transitions
+from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
 from queues.dberrors import drop_connection, is_outage
@@ -276,7 +276,6 @@ def _apply(
     recipients_placed.send(None, placements=placements, now=now, facts=facts)
     if failed:
         Attempt.objects.bulk_create(failed)
-        counters.record_delivery(failed)
         _notify_failures(failed_ids, now)
     # A recipient sent back to Submission while we worked (sweep, operator)
     # must not be stranded: its message goes back to Submission too.

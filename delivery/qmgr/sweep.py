@@ -14,7 +14,6 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
-from queues import counters
 from queues.bounce import dsn
 from queues.bounce.notify import notify
 from queues.lib import clock
@@ -158,7 +157,6 @@ def _expire(report: SweepReport) -> None:
         by_message: dict[int, list[Recipient]] = defaultdict(list)
         for r in rows:
             by_message[r.message_id].append(r)
-        counters.count_expired(len(rows))
         # Without bodies: notify reads the one original it quotes, when it quotes it.
         for message in Message.objects.filter(id__in=list(by_message)).defer("data").iterator():
             notify(dsn.FAILURE, message, by_message[message.pk], now=now, expired=True)

@@ -36,7 +36,6 @@ from delivery.smtp.outcome import (
     unattempted,
 )
 from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
-from queues import counters
 from queues.bounce import dsn
 from queues.bounce.notify import notify
 from queues.bulk import insert_all, pipelined
@@ -420,7 +419,6 @@ def _write(
         Message.objects.finish_ids({r.message_id for r in batch.results}, now)
         if final:
             Link.objects.record_round(link, link_outcome(rnd, batch.connection_error), now)
-    counters.record_delivery(rnd.attempts, rows.values())
 
 
 def _write_hints(rnd: Round, *, forget: bool = True) -> None:
@@ -685,7 +683,6 @@ def _record_delivered(
             facts=facts,
             own_savepoint=False,  # a failed tracking write: the final record writes all
         )
-        counters.record_delivery(results)
     senders = {mid: fact[1] for mid, fact in facts.items()}
     carried.keep_delivered(written(), results, senders)  # after the commit
 

@@ -47,6 +47,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -199,7 +200,8 @@ class RelayHandler:
             log.exception("could not prepare a message from %s", smtp.client_ip)
             return policy.INTERNAL_ERROR
         try:
-            qid = await counters.timed_accept(self.store(incoming, data))
+            started = time.perf_counter()
+            qid = await self.store(incoming, data)
         except Exception as exc:
             if not is_unavailable(exc):
                 log.exception("could not store a message from %s", smtp.client_ip)
@@ -209,6 +211,8 @@ class RelayHandler:
             OUTAGE.failed(exc)
             log.warning("451 4.3.0 message from %s not stored: %s", smtp.client_ip, first_line(exc))
             return policy.STORE_FAILED
+        counters.SMTP_ACCEPT_SECONDS.observe(time.perf_counter() - started)
+        counters.MESSAGES_ACCEPTED.labels(source="smtp").inc()
         OUTAGE.recovered()
         log.info(
             "%s: from=<%s> nrcpt=%d size=%d client=%s",

@@ -20,7 +20,6 @@ from django.conf import settings
 from django.db import transaction
 from django.dispatch import Signal
 
-from queues import counters
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.bodies import body_prefix
 from queues.bounce import dsn
@@ -126,7 +125,6 @@ def notify(
         ),
         report,
     )
-    counters.count_dsn(kind)
     dsn_sent.send(
         sender=None, kind=kind, message=message, recipients=wanted, report=created, now=now
     )
