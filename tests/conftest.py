@@ -1,8 +1,33 @@
 """Shared fixtures. Tests run against real PostgreSQL and Redis (see README)."""
 
 import pytest
+from django.db.backends.postgresql.operations import DatabaseOperations
 
 from queues.lib import clock
+
+_truncate_flush = DatabaseOperations.sql_flush
+
+
+def _delete_flush(self, style, tables, *, reset_sequences=False, allow_cascade=False):
+    """How the test database is emptied after each transactional test.
+
+    Django flushes with one ``TRUNCATE`` of every table, which gives each of
+    the ~45 tables and their indexes new files: about 0.35 s a test here,
+    against 0.03 s for a ``DELETE`` of the few rows a test leaves. Every
+    foreign key is deferrable (Django's), so the order does not matter in
+    Django's flush transaction. Only this test process's flush is changed,
+    never the relay's.
+    """
+    if reset_sequences or allow_cascade or not tables:
+        return _truncate_flush(
+            self, style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
+        )
+    return ["SET CONSTRAINTS ALL DEFERRED;"] + [
+        f"DELETE FROM {self.quote_name(table)};" for table in tables
+    ]
+
+
+DatabaseOperations.sql_flush = _delete_flush
 
 pytest_plugins = [
     "tests.support.dns",
