@@ -295,15 +295,7 @@ class TwoHosts(Cluster):
 
     def start(self) -> TwoHosts:
         grant_interpreter_access(h.user for h in self.hosts.values())
-        self.sink.start()
-        self.pg.init()
-        self.pg.start()
-        self.pg.create_database()
-        self.redis.start()
-        if self.code_origin() != self.root:
-            raise RuntimeError(f"children would import {self.code_origin()}, not {self.root}")
-        self._manage("migrate", "--noinput", "-v", "0")
-        self.commands = self.runall_commands()
+        self.prepare()
         for key in ("b", "a"):
             self._prepare(self.hosts[key])
             for name in self.commands:

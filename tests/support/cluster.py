@@ -581,9 +581,20 @@ class Cluster:
         return env
 
     def start(self) -> Cluster:
-        # What needs no database (where the children import from, runall's
-        # commands) is read while PostgreSQL is made and migrated; then every
-        # child starts at once, as runall starts them, and each is awaited.
+        self.prepare()
+        # Every child at once, as runall starts them; then each is awaited.
+        for name in self.commands:
+            self.launch(name)
+        for name in self.commands:
+            self.await_ready(name)
+        return self
+
+    def prepare(self) -> None:
+        """The sink, PostgreSQL (migrated) and Redis; ``commands`` read from runall.
+
+        What needs no database (where the children import from, runall's
+        commands) is read while PostgreSQL is made and migrated.
+        """
         with ThreadPoolExecutor(2) as pool:
             origin = pool.submit(self.code_origin)
             commands = pool.submit(self.runall_commands)
@@ -596,11 +607,6 @@ class Cluster:
                 raise RuntimeError(f"children would import {origin.result()}, not {self.root}")
             self._manage("migrate", "--noinput", "-v", "0")
             self.commands = commands.result()
-        for name in self.commands:
-            self.launch(name)
-        for name in self.commands:
-            self.await_ready(name)
-        return self
 
     def _manage(self, *args: str) -> str:
         out = subprocess.run(
