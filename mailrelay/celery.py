@@ -3,7 +3,6 @@
 import os
 
 from celery import Celery
-from celery.signals import task_prerun
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mailrelay.settings")
 
@@ -12,16 +11,7 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()  # tracking.tasks, insight.tasks
 # The engine's one Celery module is its queue manager's (delivery/qmgr/tasks.py);
 # the task names stay "delivery.tasks.*" (routes, beat and queued tasks use them).
-app.autodiscover_tasks(["delivery.qmgr"])
-
-
-@task_prerun.connect
-def _drop_broken_connections(**kwargs: object) -> None:
-    # Connections persist across tasks (CELERY_DB_REUSE_MAX); one that broke
-    # (database restarted) is closed here so the task opens a fresh one.
-    from django.db import close_old_connections
-
-    close_old_connections()
+app.autodiscover_tasks(["delivery.qmgr"])  # and its task_prerun hook
 
 
 @app.on_after_finalize.connect

@@ -129,3 +129,23 @@ def test_a_task_that_finds_the_database_away_waits_and_then_does_its_work(
         time.sleep(0.1)
     assert not lines(worker, "raised unexpected"), "\n".join(worker.lines)
     assert not lines(worker, "Traceback"), "\n".join(worker.lines)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_starts_on_a_fresh_connection_when_the_one_it_inherits_is_broken() -> None:
+    """Before each task (``task_prerun``, delivery.qmgr.tasks) a connection that
+    broke or outlived CONN_MAX_AGE is closed, so the task opens a new one rather
+    than failing on the dead one (a PostgreSQL restart between two tasks)."""
+    from delivery.qmgr import tasks
+
+    connection.ensure_connection()
+    inherited = connection.connection
+    connection.close_at = time.monotonic() - 1  # as if it were obsolete
+    tasks.sweep.apply()
+    assert connection.connection is not None
+    assert connection.connection is not inherited
+    # A connection in good order is kept.
+    kept = connection.connection
+    connection.close_at = None
+    tasks.sweep.apply()
+    assert connection.connection is kept

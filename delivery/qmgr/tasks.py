@@ -12,6 +12,9 @@ module that starts the next stage; ``delivery.apps`` connects them to
 ``ring_categorizer`` and ``ring_link`` here, which send the task by name. The
 database holds the work itself: a lost ring costs latency, never mail (the
 periodic sweep finds the work). Tests replace ``current_app`` to record rings.
+
+**Before every task** of a worker (``task_prerun``, connected here, for the
+tracking and insight tasks too) a database connection that broke is dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import logging
 import time
 
 from celery import current_app, shared_task
+from celery.signals import task_prerun
 from django.conf import settings
+from django.db import close_old_connections
 
 from delivery.qmgr.categorize import categorize_pending, worker_id
 from delivery.qmgr.ownership import waits_for_database
@@ -36,6 +41,13 @@ DELIVER_LINK = "delivery.tasks.deliver_link"
 # A categorize task hands over to a fresh task after this long, so one
 # backlog cannot pin a worker process forever.
 CATEGORIZE_SLICE_SECONDS = 30
+
+
+@task_prerun.connect
+def _drop_broken_connections(**kwargs: object) -> None:
+    # Connections persist across tasks (CELERY_DB_REUSE_MAX); one that broke
+    # (database restarted) is closed here so the task opens a fresh one.
+    close_old_connections()
 
 
 def ring_categorizer(sender: object = None, **kwargs: object) -> None:
