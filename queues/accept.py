@@ -1,21 +1,25 @@
-"""message_accept: the one way a message enters the queue store."""
+"""message_accept: the one way a message enters the queue store (Postfix's
+cleanup): the queue id, the Received: field, the DKIM signature when a key
+applies (which key: the process's ``KeyStore`` here; the keys and the crypto:
+``queues.dkim``), and one INSERT of the message and its recipients."""
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from email.utils import format_datetime
 
 from django.conf import settings
-from django.db import IntegrityError, InterfaceError, OperationalError, connection
+from django.db import Error, IntegrityError, InterfaceError, OperationalError, connection
 
 from queues import dkim, lib
 from queues.bulk import insert_many_with_children, insert_with_children
 from queues.dberrors import drop_connection, is_outage
-from queues.lib import clock, inspect_headers
+from queues.lib import clock, header_end, inspect_headers
 from queues.models import (
     Event,
     EventLevel,
@@ -126,12 +130,101 @@ def build_stored_bytes(env: IncomingEnvelope, data: bytes, qid: str) -> tuple[by
     return prefix + data, message_id, subject
 
 
+# --- DKIM: whether a message is signed, and with which key (the crypto and the
+# keys' material are queues.dkim's) ---
+
+
+class KeyStore:
+    """Keys loaded once and kept; reloaded at most every ``refresh`` seconds
+    (a new ``DkimKey`` or key file is used within that time, no restart)."""
+
+    def __init__(self, keys_dir: str, refresh: float) -> None:
+        self.keys_dir = keys_dir
+        self.refresh = refresh
+        self._lock = threading.Lock()
+        self._keys: dict[str, dkim.SigningKey] = {}
+        self._loaded_at: float | None = None
+
+    def keys(self) -> dict[str, dkim.SigningKey]:
+        now = time.monotonic()
+        if self._loaded_at is not None and now - self._loaded_at < self.refresh:
+            return self._keys
+        with self._lock:  # one reload for all the ingress's database threads
+            if self._loaded_at is None or now - self._loaded_at >= self.refresh:
+                self._reload(now)
+        return self._keys
+
+    def _reload(self, now: float) -> None:
+        try:
+            self._keys = dkim.load_keys_reconnecting(self.keys_dir)
+            self._loaded_at = now
+        except Error as exc:
+            # Keep the keys we had (the files' at first); the database again next message.
+            log.warning("DKIM keys not reloaded from the database: %s", exc)
+            if self._loaded_at is None:
+                self._keys = dkim.load_keys(self.keys_dir, use_database=False)
+            self._loaded_at = now - self.refresh
+
+    def key_for(self, domain: str) -> dkim.SigningKey | None:
+        """The key of the From domain or its closest parent, else the signing domain's."""
+        keys = self.keys()
+        if not keys:
+            return None
+        name = domain
+        while "." in name:
+            if (key := keys.get(name)) is not None:
+                return key
+            name = name.partition(".")[2]
+        # In its one form already (settings.py); "" names no key.
+        return keys.get(settings.MAILRELAY_DKIM_SIGNING_DOMAIN)
+
+
+_store: KeyStore | None = None
+_store_lock = threading.Lock()
+
+
+def key_store() -> KeyStore:
+    """The process's KeyStore, built from the settings at first use."""
+    global _store
+    if _store is None:
+        with _store_lock:
+            if _store is None:
+                _store = KeyStore(
+                    settings.MAILRELAY_DKIM_KEYS_DIR,
+                    settings.MAILRELAY_DKIM_KEY_REFRESH.total_seconds(),
+                )
+    return _store
+
+
+def reset_key_store() -> None:
+    """Forget the loaded keys (tests, and settings changed in a running process)."""
+    global _store
+    with _store_lock:
+        _store = None
+
+
+def sign_message(prefix: bytes, data: bytes | bytearray) -> tuple[bytes, dkim.SigningKey | None]:
+    """(signature header, key) for the message ``prefix + data`` as it will be
+    stored; (b"", None) when no key applies. Raises DkimError (or anything
+    dkimpy raises) when signing fails: the caller stores the message unsigned."""
+    store = key_store()
+    if not store.keys():
+        return b"", None  # no DKIM configured: not even the From field is read
+    domain = dkim.from_domain(data, header_end(data))
+    if domain is None:
+        return b"", None  # RFC 6376 5.4: From must be signed; without one, nothing to sign
+    key = store.key_for(domain)
+    if key is None:
+        return b"", None
+    return dkim.sign(data, key, prefix=bytes(prefix)), key
+
+
 def _dkim_signature(qid: str, prefix: bytes, data: bytes | bytearray) -> tuple[bytes, str]:
     """The DKIM-Signature to store with the message (b"" when no key applies),
     and why signing failed ("" when it did not). A failure never refuses the
     message: it is stored unsigned and an event says so (``_dkim_failed``)."""
     try:
-        signature, _key = dkim.sign_message(prefix, data)
+        signature, _key = sign_message(prefix, data)
     except Exception as exc:  # noqa: BLE001 - any failure: stored unsigned, never lost
         log.warning("%s: DKIM signing failed, stored unsigned: %s", qid, exc)
         return b"", f"{type(exc).__name__}: {exc}"

@@ -1,17 +1,20 @@
-"""DKIM signing (RFC 6376; Ed25519 per RFC 8463) with dkimpy, once, at accept.
+"""DKIM (RFC 6376; Ed25519 per RFC 8463) with dkimpy: the keys and the signature.
 
-``message_accept`` calls ``sign_message`` with the bytes it is about to store
-(our prefix and the received data): when the message's From domain (or a
-parent of it, which DMARC's relaxed alignment accepts), else the configured
-``MAILRELAY_DKIM_SIGNING_DOMAIN``, has a key, the answer is a
-``DKIM-Signature`` header field, stored apart in ``Message.signature`` and
-sent in front of the stored bytes. The stored bytes are never changed.
+The accept decides whether a message is signed and with which key
+(``queues.accept.sign_message``, from the process's ``KeyStore`` there): when
+the message's From domain (or a parent of it, which DMARC's relaxed alignment
+accepts), else the configured ``MAILRELAY_DKIM_SIGNING_DOMAIN``, has a key, it
+calls ``sign`` here with the bytes it is about to store (our prefix and the
+received data); the answer is a ``DKIM-Signature`` header field, stored apart
+in ``Message.signature`` and sent in front of the stored bytes. The stored
+bytes are never changed. Without a key nothing here runs for a message.
 
 Keys come from ``MAILRELAY_DKIM_KEYS_DIR`` (files ``<domain>.<selector>.key``)
 and from the database (``DkimKey``, enabled ones); a database key wins over a
-file for the same domain, and among several the newest wins. They are loaded
-once and kept (``KeyStore``): reloaded at most every
-``MAILRELAY_DKIM_KEY_REFRESH``, so a message costs no file read and no query.
+file for the same domain, and among several the newest wins (``load_keys``).
+The accept's ``KeyStore`` loads them once and keeps them, reloaded at most
+every ``MAILRELAY_DKIM_KEY_REFRESH``, so a message costs no file read and no
+query.
 
 The crypto is dkimpy's (with PyNaCl for Ed25519); ``cryptography`` only
 generates keys and converts key files into the forms dkimpy reads.
@@ -23,8 +26,6 @@ import base64
 import functools
 import logging
 import re
-import threading
-import time
 from dataclasses import dataclass
 from email.utils import getaddresses
 from pathlib import Path
@@ -33,7 +34,7 @@ import dkim
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa, utils
 from django.conf import settings
-from django.db import Error, InterfaceError, OperationalError, connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 
 from queues import lib
 from queues.dberrors import is_outage
@@ -230,7 +231,7 @@ def load_keys(keys_dir: str = "", use_database: bool = True) -> dict[str, Signin
     return by_domain
 
 
-def _load_keys_reconnecting(keys_dir: str) -> dict[str, SigningKey]:
+def load_keys_reconnecting(keys_dir: str) -> dict[str, SigningKey]:
     """``load_keys``, once more on a new connection when the thread's one died
     since its last use (a database restart), as ``message_accept`` does: the
     first message after a restart is signed too."""
@@ -241,75 +242,6 @@ def _load_keys_reconnecting(keys_dir: str) -> dict[str, SigningKey]:
             raise
         connection.close()
         return load_keys(keys_dir)
-
-
-class KeyStore:
-    """Keys loaded once and kept; reloaded at most every ``refresh`` seconds
-    (a new ``DkimKey`` or key file is used within that time, no restart)."""
-
-    def __init__(self, keys_dir: str, refresh: float) -> None:
-        self.keys_dir = keys_dir
-        self.refresh = refresh
-        self._lock = threading.Lock()
-        self._keys: dict[str, SigningKey] = {}
-        self._loaded_at: float | None = None
-
-    def keys(self) -> dict[str, SigningKey]:
-        now = time.monotonic()
-        if self._loaded_at is not None and now - self._loaded_at < self.refresh:
-            return self._keys
-        with self._lock:  # one reload for all the ingress's database threads
-            if self._loaded_at is None or now - self._loaded_at >= self.refresh:
-                self._reload(now)
-        return self._keys
-
-    def _reload(self, now: float) -> None:
-        try:
-            self._keys = _load_keys_reconnecting(self.keys_dir)
-            self._loaded_at = now
-        except Error as exc:
-            # Keep the keys we had (the files' at first); the database again next message.
-            log.warning("DKIM keys not reloaded from the database: %s", exc)
-            if self._loaded_at is None:
-                self._keys = load_keys(self.keys_dir, use_database=False)
-            self._loaded_at = now - self.refresh
-
-    def key_for(self, domain: str) -> SigningKey | None:
-        """The key of the From domain or its closest parent, else the signing domain's."""
-        keys = self.keys()
-        if not keys:
-            return None
-        name = domain
-        while "." in name:
-            if (key := keys.get(name)) is not None:
-                return key
-            name = name.partition(".")[2]
-        # In its one form already (settings.py); "" names no key.
-        return keys.get(settings.MAILRELAY_DKIM_SIGNING_DOMAIN)
-
-
-_store: KeyStore | None = None
-_store_lock = threading.Lock()
-
-
-def key_store() -> KeyStore:
-    """The process's KeyStore, built from the settings at first use."""
-    global _store
-    if _store is None:
-        with _store_lock:
-            if _store is None:
-                _store = KeyStore(
-                    settings.MAILRELAY_DKIM_KEYS_DIR,
-                    settings.MAILRELAY_DKIM_KEY_REFRESH.total_seconds(),
-                )
-    return _store
-
-
-def reset_key_store() -> None:
-    """Forget the loaded keys (tests, and settings changed in a running process)."""
-    global _store
-    with _store_lock:
-        _store = None
 
 
 # --- signing ---
@@ -517,19 +449,3 @@ def sign(data: bytes | bytearray, key: SigningKey, prefix: bytes = b"") -> bytes
         )
     except dkim.DKIMException as exc:
         raise DkimError(f"signing as {key.selector}._domainkey.{key.domain}: {exc}") from exc
-
-
-def sign_message(prefix: bytes, data: bytes | bytearray) -> tuple[bytes, SigningKey | None]:
-    """(signature header, key) for the message ``prefix + data`` as it will be
-    stored; (b"", None) when no key applies. Raises DkimError (or anything
-    dkimpy raises) when signing fails: the caller stores the message unsigned."""
-    store = key_store()
-    if not store.keys():
-        return b"", None  # no DKIM configured: not even the From field is read
-    domain = from_domain(data, header_end(data))
-    if domain is None:
-        return b"", None  # RFC 6376 5.4: From must be signed; without one, nothing to sign
-    key = store.key_for(domain)
-    if key is None:
-        return b"", None
-    return sign(data, key, prefix=bytes(prefix)), key

@@ -18,7 +18,7 @@ import pytest
 from django.core.management import call_command
 
 from queues import dkim
-from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept, reset_key_store
 from queues.lib import clock
 from queues.models import DkimKey, Event, Message, MessageState, Recipient, RecipientState
 from queues.services import accounts, actions
@@ -43,9 +43,9 @@ BODY = (
 @pytest.fixture(autouse=True)
 def _fresh_keys():
     """Keys are cached per process: each test starts and ends with none loaded."""
-    dkim.reset_key_store()
+    reset_key_store()
     yield
-    dkim.reset_key_store()
+    reset_key_store()
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_a_key_and_an_account_deleted_while_mail_flows_cost_no_delivery_record(r
     )
     qid = message_accept(envelope, BODY).qid
     DkimKey.objects.all().delete()
-    dkim.reset_key_store()  # as a worker that reads the keys again would see it
+    reset_key_store()  # as a worker that reads the keys again would see it
     accounts.delete_account("alice")
     drain()
     assert len(sink.messages) == 1
@@ -189,7 +189,7 @@ def test_a_key_in_the_database_signs_without_a_keys_folder(relay, settings):
     generate --database``, the UI's) sign all the same."""
     settings.MAILRELAY_DKIM_KEYS_DIR = ""
     publish(relay, generate("example.com", "s1", "--ed25519", "--database"))
-    dkim.reset_key_store()
+    reset_key_store()
     message = accept()
     sent = bytes(message.signature) + bytes(Message.objects.get(pk=message.pk).data)
     assert sent.startswith(b"DKIM-Signature: v=1; a=ed25519-sha256;")
@@ -394,7 +394,7 @@ def test_the_first_message_after_a_database_restart_is_signed(relay, start_ingre
     ingress = start_ingress(db_threads=1)  # every message on the same database thread
     assert ingress.send(BODY, mail_from="alice@example.com")[0] == 250
     assert kill_other_backends() >= 1  # the ingress thread's connection is dead now
-    dkim.reset_key_store()  # a process just started: its first read of the keys meets it
+    reset_key_store()  # a process just started: its first read of the keys meets it
     assert ingress.send(BODY.replace(b"signed", b"after"), mail_from="alice@example.com")[0] == 250
     after = Message.objects.get(subject="after")
     sent = bytes(after.signature) + bytes(after.data)

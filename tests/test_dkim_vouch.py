@@ -19,7 +19,7 @@ import dkim as dkimpy
 import pytest
 
 from delivery.pickup import FolderConfig, FolderWatcher
-from queues import dkim
+from queues import accept, dkim
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.bounce import dsn
 from queues.bounce.notify import notify
@@ -44,9 +44,9 @@ def keys(settings, tmp_path) -> dict[str, bytes]:
         key = dkim.generate_private_key(dkim.ED25519_SHA256)
         (folder / dkim.key_file_name(domain, "s1")).write_bytes(key)
         records[f"s1._domainkey.{domain}"] = dkim.dns_record(key).encode()
-    dkim.reset_key_store()
+    accept.reset_key_store()
     yield records
-    dkim.reset_key_store()
+    accept.reset_key_store()
 
 
 def verifies(message: Message, records: dict[str, bytes]) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 from django.conf import settings
 
-from queues import dkim, lib
+from queues import accept, dkim, lib
 from queues.lib import clock
 from queues.models import DkimKey
 
@@ -115,7 +115,7 @@ def generate(
     else:
         _save_in_database(domain, selector, algorithm, key, force)
         where = "the database"
-    dkim.reset_key_store()  # this process signs with it at once
+    accept.reset_key_store()  # this process signs with it at once
     _audit(actor, via, "generate", domain, selector, f"{algorithm}, in {where}")
     return Generated(
         domain, selector, algorithm, where, zone_line(domain, selector, dkim.dns_record(key))
@@ -183,7 +183,7 @@ def set_enabled(actor: Any, via: str, domain: str, selector: str, enabled: bool)
     if row.enabled == enabled:
         return False
     DkimKey.objects.filter(pk=row.pk).update(enabled=enabled)
-    dkim.reset_key_store()
+    accept.reset_key_store()
     _audit(actor, via, "enable" if enabled else "disable", domain, selector)
     return True
 
