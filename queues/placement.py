@@ -1,12 +1,17 @@
 """The special queues (Unreachable, Poison, Dead-letter), where the categorizer,
-the delivery and the sweep park recipients. A destination's
-delivery queue and its link are the categorizer's (``delivery.qmgr.categorize``)."""
+the delivery and the sweep park recipients, and the parking of poison messages.
+A destination's delivery queue and its link are the categorizer's
+(``delivery.qmgr.tasks``)."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from queues.models import DeliveryType, Queue
+from django.conf import settings
+from django.db import transaction
+
+from queues.lib import clock
+from queues.models import DeliveryType, Event, EventLevel, Message, Queue
 
 
 def special_queue(delivery_type: str, now: datetime) -> Queue:
@@ -17,3 +22,25 @@ def special_queue(delivery_type: str, now: datetime) -> Queue:
         defaults={"created_at": now},
     )
     return queue
+
+
+def park_poison(message_ids: list[int]) -> None:
+    """The poison rule's action (``transitions.poisoned`` says when): the messages
+    suspended, their unfinished recipients parked in the Poison queue, an event
+    each. The categorizer and the delivery round call it for what they claimed."""
+    now = clock.now()
+    poison = special_queue(DeliveryType.POISON, now)
+    with transaction.atomic():
+        Message.objects.filter(id__in=message_ids).park_in_poison(poison.pk)
+        Event.objects.bulk_create(
+            Event(
+                created_at=now,
+                level=EventLevel.ERROR,
+                kind="poison",
+                text="processing this message crashed a worker "
+                f"{settings.MAILRELAY_POISON_THRESHOLD} times; moved to the Poison queue",
+                message_id=mid,
+                queue=poison,
+            )
+            for mid in message_ids
+        )

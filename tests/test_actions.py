@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.tasks import categorize_pending
 from queues.lib import clock
 from queues.models import (
     AuditEntry,

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 from django.db import DatabaseError
 
-from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.tasks import categorize_pending
 from delivery.smtp import deliver
 from delivery.smtp.outcome import Carried
 from delivery.smtp.types import RecipientResult

@@ -17,8 +17,8 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from delivery.qmgr.categorize import categorize_pending
 from delivery.qmgr.ownership import Claim
+from delivery.qmgr.tasks import categorize_pending
 from delivery.smtp import deliver
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Link, Message, MessageState, Recipient, RecipientState

@@ -43,8 +43,9 @@ PROJECT = tuple(
 # store's work signals: 22; the Prometheus counters counted by the read side from
 # the store's signals, queues/counters.py off the path: 21; the task_prerun hook
 # in the engine's Celery module (delivery/qmgr/tasks.py), not mailrelay/celery.py: 20;
-# the DKIM key store in the accept, queues/dkim.py run only when a key applies: 19.)
-PATH_FILES = 19
+# the DKIM key store in the accept, queues/dkim.py run only when a key applies: 19;
+# the categorizer in the queue manager's tasks module (delivery/qmgr/tasks.py): 18.)
+PATH_FILES = 18
 
 MESSAGE = (
     "From: a@example.org\r\nTo: b@example.net\r\nSubject: path\r\n"

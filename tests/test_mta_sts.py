@@ -396,8 +396,8 @@ def test_a_slow_policy_fetch_does_not_outlive_the_round_claim(
     default fetch timeout); the lease is 0.6 s. The owner renews while it waits
     for the fetch, so the sweep takes nothing back, a second delivery task finds
     the link held, and the message goes once."""
-    from delivery.qmgr.categorize import categorize_pending
     from delivery.qmgr.sweep import reclaim
+    from delivery.qmgr.tasks import categorize_pending
     from delivery.smtp.deliver import deliver_link
     from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
     from queues.models import Attempt, Link, Recipient, RecipientState

@@ -13,10 +13,10 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.qmgr.categorize import _process, categorize_pending
-from delivery.qmgr.categorize import claim_batch as claim_for_categorizer
 from delivery.qmgr.ownership import Claim, while_renewing
 from delivery.qmgr.sweep import reclaim, sweep
+from delivery.qmgr.tasks import _process, categorize_pending
+from delivery.qmgr.tasks import claim_batch as claim_for_categorizer
 from delivery.smtp.deliver import deliver_link
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.lib import clock

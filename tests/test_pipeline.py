@@ -272,7 +272,7 @@ def test_the_sweep_takes_back_recipients_of_a_dead_delivery(relay, sink_factory,
 
 
 def drain_categorize_only() -> int:
-    from delivery.qmgr.categorize import categorize_pending
+    from delivery.qmgr.tasks import categorize_pending
 
     return categorize_pending()
 
@@ -281,7 +281,7 @@ def test_it_parks_a_message_that_keeps_crashing_the_categorizer(relay, settings)
     settings.MAILRELAY_POISON_THRESHOLD = 2
     relay.a("example.net", "127.0.0.2")
     message = accept("u@example.net")
-    from delivery.qmgr.categorize import claim_batch as claim_for_categorizer
+    from delivery.qmgr.tasks import claim_batch as claim_for_categorizer
 
     for _ in range(2):  # the worker dies twice while categorizing it
         assert claim_for_categorizer("dying-worker", 10) == [message.pk]

@@ -14,8 +14,8 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 
-from delivery.qmgr.categorize import categorize_pending
 from delivery.qmgr.sweep import _links_with_due_work
+from delivery.qmgr.tasks import categorize_pending
 from delivery.smtp.deliver import deliver_link
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.holdings import held_count

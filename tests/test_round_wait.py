@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 
 from delivery.qmgr import tasks
-from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.tasks import categorize_pending
 from delivery.smtp import deliver
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Link, Message, MessageState

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from delivery.qmgr.categorize import categorize_pending
+from delivery.qmgr.tasks import categorize_pending
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.lib import clock
 from queues.models import Message, MessageState, Queue, Recipient, RecipientState

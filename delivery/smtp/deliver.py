@@ -19,7 +19,6 @@ from functools import partial
 from django.conf import settings
 from django.db import connection, transaction
 
-from delivery.qmgr.categorize import park_poison, worker_id
 from delivery.qmgr.ownership import Claim, while_connected, while_renewing
 from delivery.route.routing import DNS_MX, NextHop, order_targets
 from delivery.shaping import gate as shaping_gate
@@ -36,6 +35,7 @@ from delivery.smtp.outcome import (
     unattempted,
 )
 from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
+from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
 from queues.bulk import insert_all, pipelined
@@ -51,7 +51,7 @@ from queues.models import (
     Recipient,
 )
 from queues.outcomes import Delivered
-from queues.placement import special_queue
+from queues.placement import park_poison, special_queue
 from queues.signals import attempts_recorded
 
 log = logging.getLogger(__name__)
@@ -740,7 +740,7 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
     Returns how many recipients were handled. Exits at once when another task
     holds the link, or when the link waits for its retry time.
     """
-    holder = _LinkOwner(link_id, owner or worker_id())
+    holder = _LinkOwner(link_id, owner or transitions.new_owner())
     handled = 0
     config = ClientConfig.from_settings()
     gather = settings.MAILRELAY_DELIVERY_ROUND_WAIT.total_seconds()

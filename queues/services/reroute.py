@@ -7,7 +7,7 @@ entry's) instead of the link routing gave it, which is kept in
 commit on the new hop's delivery takes the queue's waiting mail and the old
 hop's takes none; recipients a delivery holds already (ACTIVE) finish where
 they are. The categorizer keeps new mail of the queue on the re-route
-(``delivery.qmgr.categorize.queue_for_route``). At ``Queue.reroute_until`` the sweep ends it
+(``delivery.qmgr.tasks.queue_for_route``). At ``Queue.reroute_until`` the sweep ends it
 (``queues.services.timed``), or an operator does (unroute): the queue goes
 back to the link it came from and routing is normal again.
 """

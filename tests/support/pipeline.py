@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from delivery.qmgr.categorize import categorize_pending
 from delivery.qmgr.sweep import _links_with_due_work
+from delivery.qmgr.tasks import categorize_pending
 from delivery.smtp.deliver import deliver_link
 
 
