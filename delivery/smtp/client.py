@@ -23,7 +23,7 @@ final dot (a transaction abandoned after 354 is closed without the dot, so
 the next hop has nothing to deliver).
 
 The client never raises for network problems: every exception becomes a
-``RecipientResult`` (see ``delivery.smtp.retry`` for how replies are judged).
+``RecipientResult`` (see ``delivery.smtp.outcome`` for how replies are judged).
 
 This module runs a round's batch (``deliver``, ``_Batch``): messages split
 into groups, one connection per group, targets walked in order, failures
@@ -47,7 +47,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from delivery.smtp import retry
+from delivery.smtp import outcome
 from delivery.smtp.connection import (
     CRLF,
     IMPLICIT_TLS_PORT,
@@ -171,13 +171,13 @@ class _Failure:
 
 
 _IN_REPLY_TO = {
-    retry.GREETING: "the greeting",
-    retry.EHLO: "EHLO",
-    retry.STARTTLS: "STARTTLS",
-    retry.MAIL: "MAIL FROM",
-    retry.RCPT: "RCPT TO",
-    retry.DATA: "DATA",
-    retry.SESSION: "RSET",
+    outcome.GREETING: "the greeting",
+    outcome.EHLO: "EHLO",
+    outcome.STARTTLS: "STARTTLS",
+    outcome.MAIL: "MAIL FROM",
+    outcome.RCPT: "RCPT TO",
+    outcome.DATA: "DATA",
+    outcome.SESSION: "RSET",
 }
 
 
@@ -216,7 +216,7 @@ async def authenticate(conn: Connection, creds: Credentials) -> None:
     host = conn.target.host
     if not conn.tls and not creds.allow_cleartext:
         raise SessionFailed(
-            retry.EHLO,
+            outcome.EHLO,
             None,
             f"refusing to send AUTH credentials to {host} without TLS "
             "(add allow-cleartext to its MAILRELAY_SMTP_AUTH line to allow it)",
@@ -226,7 +226,7 @@ async def authenticate(conn: Connection, creds: Credentials) -> None:
     unverified = conn.tls and conn.security.verified not in VERIFIED_PEER
     if unverified and not (creds.allow_cleartext or conn.config.auth_over_unverified_tls):
         raise SessionFailed(
-            retry.EHLO,
+            outcome.EHLO,
             None,
             f"refusing to send AUTH credentials to {host}: its TLS certificate was not "
             f"verified (TLS policy {conn.security.policy or 'may'}; give it the level verify, "
@@ -237,13 +237,13 @@ async def authenticate(conn: Connection, creds: Credentials) -> None:
     offered = conn.extensions.get("AUTH", "").upper().split()
     if "PLAIN" in offered:
         mechanism = "PLAIN"
-        r = await conn.command(b"AUTH PLAIN " + creds.plain() + CRLF, "AUTH", retry.EHLO)
+        r = await conn.command(b"AUTH PLAIN " + creds.plain() + CRLF, "AUTH", outcome.EHLO)
     elif "LOGIN" in offered:
         mechanism = "LOGIN"
         r = await _auth_login(conn, creds)
     else:
         raise SessionFailed(
-            retry.EHLO,
+            outcome.EHLO,
             None,
             f"{host} offers no AUTH PLAIN or LOGIN (offered: {' '.join(offered) or 'none'}); "
             "credentials are configured for it",
@@ -258,23 +258,23 @@ async def authenticate(conn: Connection, creds: Credentials) -> None:
     # keep the peer's enhanced code in its own field.
     label = "authentication failed (auth_failed)" if error else "authentication deferred"
     raise SessionFailed(
-        retry.EHLO,
+        outcome.EHLO,
         r.code,
-        f"{label}: {retry.strip_enhanced(r.text)}",
+        f"{label}: {outcome.strip_enhanced(r.text)}",
         error=error,
-        enhanced=retry.parse_enhanced(r.text),
+        enhanced=outcome.parse_enhanced(r.text),
         in_reply_to=f"AUTH {mechanism}",
     )
 
 
 async def _auth_login(conn: Connection, creds: Credentials) -> Reply:
     """AUTH LOGIN: the user name and the password, each after a 334."""
-    r = await conn.command(b"AUTH LOGIN\r\n", "AUTH", retry.EHLO)
+    r = await conn.command(b"AUTH LOGIN\r\n", "AUTH", outcome.EHLO)
     for secret in (creds.username, creds.password):
         if r.code != 334:
             return r
         answer = base64.b64encode(secret.encode()) + CRLF
-        r = await conn.command(answer, "AUTH", retry.EHLO)
+        r = await conn.command(answer, "AUTH", outcome.EHLO)
     return r
 
 
@@ -355,10 +355,10 @@ class _Batch:
         req = self.requirement(target)
         if req.refuse:  # e.g. an MX that the MTA-STS policy does not list
             state.dead = True
-            text = retry.strip_enhanced(req.refuse)
+            text = outcome.strip_enhanced(req.refuse)
             return self._fail(
                 _Failure(
-                    retry.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level
+                    outcome.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level
                 )
             )
         opened = await self._connect(target, state, req)
@@ -386,7 +386,7 @@ class _Batch:
             state.dead = True
             return self._fail(
                 _Failure(
-                    retry.STARTTLS,
+                    outcome.STARTTLS,
                     None,
                     f"TLS handshake failed (implicit TLS, port {target.port}): {exc}",
                     target,
@@ -400,7 +400,7 @@ class _Batch:
             state.dead = True
             return self._fail(
                 _Failure(
-                    retry.CONNECT,
+                    outcome.CONNECT,
                     None,
                     f"connect timeout after {cfg.connect_timeout:g}s",
                     target,
@@ -412,7 +412,7 @@ class _Batch:
             errno = getattr(exc, "errno", None)
             why = os.strerror(errno) if errno else str(exc) or type(exc).__name__
             return self._fail(
-                _Failure(retry.CONNECT, None, f"connect failed: {why}", target, "refused")
+                _Failure(outcome.CONNECT, None, f"connect failed: {why}", target, "refused")
             )
 
         conn = Connection(reader, writer, target, cfg)
@@ -433,13 +433,13 @@ class _Batch:
                     greeting = await conn.reply("greeting")
             except Exception as exc:  # noqa: BLE001
                 state.dead = True
-                raise conn.lost(exc, retry.GREETING, cfg.command_timeout) from exc
+                raise conn.lost(exc, outcome.GREETING, cfg.command_timeout) from exc
             if greeting.code // 100 != 2:
                 # A 4xx/5xx greeting may be per connection (too many from us),
                 # so the target stays available to the other connections.
-                raise SessionFailed(retry.GREETING, greeting.code, greeting.text)
+                raise SessionFailed(outcome.GREETING, greeting.code, greeting.text)
             self.connected = True
-            await conn.hello(retry.EHLO)
+            await conn.hello(outcome.EHLO)
             await self._secure(conn, state, req, use_tls)
             creds = cfg.auth_for(target) if cfg.auth_for is not None else None
             if creds is not None:
@@ -459,7 +459,7 @@ class _Batch:
         except Exception as exc:  # a bug must not escape as an exception
             log.exception("unexpected error opening %s", target.host)
             conn.abort()
-            return self._fail(_Failure(retry.SESSION, None, f"internal error: {exc!r}", target))
+            return self._fail(_Failure(outcome.SESSION, None, f"internal error: {exc!r}", target))
         except BaseException:  # cancelled: leave no socket behind
             conn.abort()
             raise
@@ -480,7 +480,7 @@ class _Batch:
                 if exc.code is None and req.require:
                     state.dead = True
                     raise SessionFailed(
-                        retry.STARTTLS,
+                        outcome.STARTTLS,
                         None,
                         f"TLS required ({req.level}) but the TLS handshake with {host} "
                         f"failed: {exc.text.removeprefix('TLS handshake failed: ')}",
@@ -497,7 +497,7 @@ class _Batch:
         if req.require and not conn.tls:
             state.dead = True
             raise SessionFailed(
-                retry.STARTTLS,
+                outcome.STARTTLS,
                 None,
                 f"TLS required ({req.level}) but not offered by {host}",
                 error=TLS_REQUIRED,
@@ -598,10 +598,10 @@ class _Batch:
             conn.abort()
             text = f"internal error: {exc!r}"
             if rec is not None:
-                rec.fill(retry.SESSION, None, text)
+                rec.fill(outcome.SESSION, None, text)
                 self.results.extend(rec.results())
                 remaining.popleft()
-            return self._fail(_Failure(retry.SESSION, None, text, conn.target))
+            return self._fail(_Failure(outcome.SESSION, None, text, conn.target))
         except BaseException:  # cancelled: leave no socket behind
             conn.abort()
             raise
@@ -628,7 +628,7 @@ class _Batch:
     ) -> None:
         failure = failure or self.last_failure
         if failure is None:  # no target at all
-            failure = _Failure(retry.CONNECT, None, "no host to deliver to", _NoPeer())
+            failure = _Failure(outcome.CONNECT, None, "no host to deliver to", _NoPeer())
         self.connection_error = failure.describe()
         security = failure.security or Security(policy=failure.tls_policy)
         for msg in remaining:
