@@ -9,7 +9,7 @@ final reply closes the transaction. A session that cannot go on raises
 ``SessionFailed``; a round that lost its claim raises ``ClaimLost`` before
 the final dot. ``ClientConfig`` is the frozen configuration every
 connection of a round shares, read from settings once per round. AUTH to the
-next hop is the round's (``delivery.smtp.client.authenticate``), once the
+next hop is the round's (``delivery.smtp.auth.authenticate``), once the
 connection is secured.
 """
 
