@@ -78,7 +78,7 @@ class ClientConfig:
     max_messages_per_connection: int = 20
     max_connections: int = 20
     # Per target: the TLS requirement (None: "may" everywhere) and the AUTH
-    # credentials (None: no AUTH); see delivery.smtp.tls.RoundTls.
+    # credentials (None: no AUTH); see delivery.smtp.client.RoundTls.
     tls_for: Callable[[Peer], TlsRequirement] | None = None
     auth_for: Callable[[Peer], Credentials | None] | None = None
     # Source addresses to bind (at most one IPv4, one IPv6; delivery.shaping):

@@ -23,8 +23,7 @@ from delivery.qmgr.categorize import park_poison, worker_id
 from delivery.qmgr.ownership import Claim, while_connected, while_renewing
 from delivery.route.routing import DNS_MX, NextHop, order_targets
 from delivery.shaping import gate as shaping_gate
-from delivery.smtp import tls as tls_policy
-from delivery.smtp.client import ClientConfig, connections_for, deliver
+from delivery.smtp.client import ClientConfig, connections_for, deliver, plan
 from delivery.smtp.outcome import (
     Carried,
     Round,
@@ -553,7 +552,7 @@ def _with_tls(
     claim: Claim | None = None,
 ) -> ClientConfig | str:
     """``config`` with the round's TLS requirements and AUTH credentials
-    (delivery.smtp.tls.plan: policy file, MTA-STS, DANE, all looked up here,
+    (delivery.smtp.client.plan: policy file, MTA-STS, DANE, all looked up here,
     before the round sends; a recipient domain's MTA-STS server is waited for
     while ``claim`` is renewed); or why the round cannot go (then it is
     deferred: a policy that cannot be read must not become cleartext)."""
@@ -561,7 +560,7 @@ def _with_tls(
     wait = partial(while_renewing, claim) if claim is not None else None
     dns_routed = link.delivery_type == DNS_MX
     try:
-        planned = tls_policy.plan(hops, dns_routed, domains, targets, clock.now(), wait)
+        planned = plan(hops, dns_routed, domains, targets, clock.now(), wait)
     except Exception as exc:  # noqa: BLE001 - unreadable policy/credentials file
         log.exception("TLS policy of link %s could not be worked out", link.pk)
         return f"TLS policy could not be applied: {exc}"
