@@ -1,12 +1,10 @@
 """What an SMTP exchange's replies and a delivery round's results mean, decided
-without the database.
+without the database; and the retry data the round reads and leaves.
 
 Under their own headings:
 
 - one reply classified (``classify``): delivered, deferred or failed, and the
   scope its failure blames (the recipient, the message or the host);
-- the results of one message on one target (``Recorder``), as the
-  connections report them, each classified and stamped with its target;
 - the round decided: ``decide`` turns the SMTP exchange's results
   (``BatchResult``) into a pure ``RoundOutcome`` (queues.outcomes: per
   recipient delivered, failed, or deferred until…; per link its verdict) and
@@ -14,9 +12,12 @@ Under their own headings:
   (the NOTIFY rule, queues.lib), the retry data to store or clear.
   ``delivery.smtp.deliver`` writes it through the store's transitions, in one
   transaction;
-- the link's verdict and the retry data (Exim's hints: the ``RetryHint``
-  table): which hosts to try, what a round that reached none does to its
-  link, the hosts' retry data to store, and what a delivery clears.
+- the results of one message on one target (``Recorder``), as the
+  connections report them, each classified and stamped with its target;
+- the link's verdict and the hosts' retry data: which hosts to try, what a
+  round that reached none does to its link, the hosts' retry data to store
+  and what a delivery clears; that data stored between rounds (Exim's hints
+  database: the ``RetryHint`` table) is this module's only database access.
 
 When to try again (the rules in force, the next try of a failure) is
 ``delivery.smtp.retry``'s.
@@ -615,7 +616,7 @@ class Recorder:
         return [self.decided[r.id] for r in self.msg.recipients if r.id in self.decided]
 
 
-# --- the link's verdict and the retry data (pure but for the stored hints) ----------
+# --- the link's verdict, the hosts' retry data, which hosts to try (pure) ----------
 
 
 def link_verdict(
