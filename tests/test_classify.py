@@ -2,11 +2,11 @@
 
 import pytest
 
-from delivery.smtp import retry
-from delivery.smtp.retry import Classification, classify, classify_local, parse_enhanced
+from delivery.smtp import outcome
+from delivery.smtp.outcome import Classification, classify, classify_local, parse_enhanced
 
-D, F, OK = retry.DEFERRED, retry.FAILED, retry.DELIVERED
-CONN, MSG, RCPT = retry.SCOPE_CONNECTION, retry.SCOPE_MESSAGE, retry.SCOPE_RECIPIENT
+D, F, OK = outcome.DEFERRED, outcome.FAILED, outcome.DELIVERED
+CONN, MSG, RCPT = outcome.SCOPE_CONNECTION, outcome.SCOPE_MESSAGE, outcome.SCOPE_RECIPIENT
 
 
 @pytest.mark.parametrize(
@@ -97,13 +97,13 @@ def test_parse_enhanced(text, expected):
 
 
 def test_strip_enhanced():
-    assert retry.strip_enhanced("5.1.1 <x@y>: user unknown") == "<x@y>: user unknown"
-    assert retry.strip_enhanced("user unknown") == "user unknown"
+    assert outcome.strip_enhanced("5.1.1 <x@y>: user unknown") == "<x@y>: user unknown"
+    assert outcome.strip_enhanced("user unknown") == "user unknown"
 
 
 def test_constants_match_the_models():
     from queues.models import AttemptOutcome, AttemptPhase
 
-    assert set(retry.SCOPE_BY_PHASE) == set(AttemptPhase.values)
-    assert {retry.DELIVERED, retry.DEFERRED, retry.FAILED} == set(AttemptOutcome.values)
-    assert set(retry.NO_REPLY_ENHANCED) == set(AttemptPhase.values) - {retry.ROUTE}
+    assert set(outcome.SCOPE_BY_PHASE) == set(AttemptPhase.values)
+    assert {outcome.DELIVERED, outcome.DEFERRED, outcome.FAILED} == set(AttemptOutcome.values)
+    assert set(outcome.NO_REPLY_ENHANCED) == set(AttemptPhase.values) - {outcome.ROUTE}

@@ -13,8 +13,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from delivery.route.routing import NextHop
-from delivery.smtp.client import deliver
-from delivery.smtp.tls import plan
+from delivery.smtp.client import deliver, plan
 from delivery.smtp.types import BatchResult
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate

@@ -19,8 +19,7 @@ import trustme
 from delivery.route.dns import make_resolver
 from delivery.route.routing import NextHop
 from delivery.smtp import https_fetch, mta_sts
-from delivery.smtp.client import deliver
-from delivery.smtp.tls import plan
+from delivery.smtp.client import deliver, plan
 from delivery.smtp.types import BatchResult
 from queues.lib import clock, seconds
 from queues.models import MtaStsPolicy

@@ -1,7 +1,8 @@
 """The retry decisions over a delivery round, as tables: pure, no database.
 
-delivery.smtp.retry decides (link verdicts, host retry data, recipient deferrals,
-which hosts to try); delivery.smtp.deliver only reads and writes around it.
+delivery.smtp.outcome (link verdicts, host retry data, which hosts to try) and
+delivery.smtp.retry (recipient deferrals) decide; delivery.smtp.deliver only
+reads and writes around them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from delivery.smtp import retry
+from delivery.smtp import outcome, retry
 from delivery.smtp.retryschedule import RetryData
 from delivery.smtp.types import HostFailure, RecipientResult
 
@@ -62,7 +63,7 @@ def test_a_link_whose_every_host_failed_follows_exchanges_timers(
         next_retry_at=NOW if failures_before else None,
         last_error_at=NOW - MIN if failures_before else None,
     )
-    verdict = retry.link_verdict(
+    verdict = outcome.link_verdict(
         link,
         connected=False,
         last_failure=refused(),
@@ -79,7 +80,7 @@ def test_a_link_whose_every_host_failed_follows_exchanges_timers(
 
 def test_a_link_that_reached_a_peer_starts_afresh():
     link = retry.LinkRetry(7, NOW - 30 * MIN, NOW, NOW - MIN)
-    verdict = retry.link_verdict(
+    verdict = outcome.link_verdict(
         link, connected=True, last_failure=None, domain="example.net", via_mx=True, now=NOW
     )
     assert (verdict.failed, verdict.timed_out) == (False, False)
@@ -91,7 +92,7 @@ def test_a_link_past_its_rules_final_cutoff_times_out(settings, tmp_path):
     rules.write_text("example.net  *  F,1h,10m\n")
     settings.MAILRELAY_RETRY_RULES = str(rules)
     link = retry.LinkRetry(9, NOW - 2 * timedelta(hours=1), NOW, NOW - 10 * MIN)
-    verdict = retry.link_verdict(
+    verdict = outcome.link_verdict(
         link,
         connected=False,
         last_failure=refused(),
@@ -180,7 +181,7 @@ def test_a_recipient_whose_link_failed_waits_for_the_link(timed_out, expected):
 
 def test_every_host_that_failed_gets_retry_data():
     failures = [refused("mx1.example.net", "192.0.2.1"), refused("mx2.example.net", "192.0.2.2")]
-    hints = retry.host_hints(failures, {}, domain="example.net", via_mx=True, now=NOW)
+    hints = outcome.host_hints(failures, {}, domain="example.net", via_mx=True, now=NOW)
     assert [(h.key, h.error, h.first_failed, h.next_try) for h in hints] == [
         ("T:mx1.example.net:192.0.2.1", "refused_MX", NOW, NOW + MIN),
         ("T:mx2.example.net:192.0.2.2", "refused_MX", NOW, NOW + MIN),
@@ -228,7 +229,7 @@ MX1, MX2 = Target("mx1.example.net", "192.0.2.1"), Target("mx2.example.net", "19
 )
 def test_which_hosts_a_round_tries(hints, expected, verdict):
     data = {h.key: h for h in (hint(t, **kw) for t, kw in hints.items())}
-    assert retry.usable_targets([MX1, MX2], data, domain="example.net", now=NOW) == (
+    assert outcome.usable_targets([MX1, MX2], data, domain="example.net", now=NOW) == (
         expected,
         verdict,
     )

@@ -1,5 +1,5 @@
-"""AUTH to a next hop (delivery.smtp.tls) and implicit TLS on port 465,
-against real aiosmtpd peers on loopback."""
+"""AUTH to a next hop (delivery.smtp.auth; its credentials: delivery.smtp.tls) and
+implicit TLS on port 465, against real aiosmtpd peers on loopback."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from django.core.exceptions import ImproperlyConfigured
 
 from delivery.checks import validate_routing_settings
 from delivery.route.routing import NextHop
-from delivery.smtp.client import deliver
+from delivery.smtp.client import deliver, load_auth, plan, requirement
 from delivery.smtp.connection import IMPLICIT_TLS_PORT, ClientConfig
-from delivery.smtp.tls import Credentials, load_auth, lookup_auth, plan, requirement
+from delivery.smtp.tls import Credentials, lookup_auth
 from delivery.smtp.types import BatchResult
 from tests.test_smtp_client import A, Target, config, message
 from tests.test_tls_policy import certificate

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from delivery.smtp import retry
 from delivery.smtp.connection import (
     Envelope,
     build_envelope,
@@ -13,7 +12,7 @@ from delivery.smtp.connection import (
     sender_refusal,
     size_limit,
 )
-from delivery.smtp.outcome import BAD_RECIPIENT, BAD_SENDER, Refusal
+from delivery.smtp.outcome import BAD_RECIPIENT, BAD_SENDER, MAIL, Refusal
 from delivery.smtp.types import OutboundMessage, OutboundRecipient
 
 HOST = "mx.example.com"
@@ -192,7 +191,7 @@ def test_size_limit(declared, size, refused):
     got = build_envelope(msg(), data, {"SIZE": declared}, HOST)
     if refused:
         assert got == Refusal(
-            retry.MAIL, "5.3.4", f"message size {size} exceeds size limit {declared} of {HOST}"
+            MAIL, "5.3.4", f"message size {size} exceeds size limit {declared} of {HOST}"
         )
     else:
         assert isinstance(got, Envelope) and f"SIZE={size}".encode() in got.mail
@@ -228,7 +227,7 @@ def test_needs_smtputf8(fields, data, needed):
     got = build_envelope(m, data, {}, HOST)
     if needed:
         assert got == Refusal(
-            retry.MAIL, "5.6.7", f"{HOST} does not support SMTPUTF8, which this message needs"
+            MAIL, "5.6.7", f"{HOST} does not support SMTPUTF8, which this message needs"
         )
     else:
         assert isinstance(got, Envelope)
@@ -248,9 +247,9 @@ def test_size_is_checked_before_smtputf8():
     [
         (BAD_SENDER, "failed", "message"),
         (BAD_RECIPIENT, "failed", "recipient"),
-        (Refusal(retry.MAIL, "5.3.4", "too big"), "failed", "message"),
-        (Refusal(retry.MAIL, "5.6.7", "no SMTPUTF8"), "failed", "message"),
-        (Refusal(retry.MAIL, "4.3.0", "cannot read the body"), "deferred", "message"),
+        (Refusal(MAIL, "5.3.4", "too big"), "failed", "message"),
+        (Refusal(MAIL, "5.6.7", "no SMTPUTF8"), "failed", "message"),
+        (Refusal(MAIL, "4.3.0", "cannot read the body"), "deferred", "message"),
     ],
 )
 def test_refusal_classification(refusal, outcome, scope):

@@ -15,9 +15,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from delivery.checks import validate_routing_settings
 from delivery.route.routing import NextHop
-from delivery.smtp import tls as tls_policy
-from delivery.smtp.client import deliver
-from delivery.smtp.tls import TlsRequirement, level_for, parse_policy, requirement
+from delivery.smtp.client import deliver, level_for, plan, requirement
+from delivery.smtp.tls import MAY, TlsRequirement, parse_policy
 from delivery.smtp.types import BatchResult
 from tests.test_smtp_client import A, Target, config, message
 
@@ -99,13 +98,13 @@ def test_plan_applies_the_file_to_the_round(settings, tmp_path, ca_file):
     settings.MAILRELAY_TLS_CA_FILE = ca_file
     settings.MAILRELAY_MTA_STS = False
     target = Target(MX, A, 25)
-    rnd = tls_policy.plan([NextHop(MX, 25)], True, ["a.secure.test"], [target], None)
+    rnd = plan([NextHop(MX, 25)], True, ["a.secure.test"], [target], None)
     assert rnd.tls_for(target) == TlsRequirement("verify", True, "ca", ca_file=ca_file)
     hop = NextHop("10.9.9.9", 2525, literal=True)
-    rnd = tls_policy.plan([hop], False, ["x.org"], [Target("10.9.9.9", "10.9.9.9", 2525)], None)
+    rnd = plan([hop], False, ["x.org"], [Target("10.9.9.9", "10.9.9.9", 2525)], None)
     assert rnd.default.level == "encrypt" and rnd.default.require
-    rnd = tls_policy.plan([NextHop("mx.x.org", 25)], False, ["x.org"], [], None)
-    assert rnd.default == tls_policy.MAY
+    rnd = plan([NextHop("mx.x.org", 25)], False, ["x.org"], [], None)
+    assert rnd.default == MAY
 
 
 # --- levels against real peers ----------------------------------------------------
@@ -260,7 +259,5 @@ def test_a_next_hop_is_found_as_written_before_its_mx_lookup(settings, tmp_path)
     path.write_text("relay.partner.test:587 encrypt\n")
     settings.MAILRELAY_TLS_POLICY = str(path)
     target = Target("mx1.partner.test", A, 587)
-    rnd = tls_policy.plan(
-        [NextHop("mx1.partner.test", 587)], False, ["partner.test"], [target], None
-    )
+    rnd = plan([NextHop("mx1.partner.test", 587)], False, ["partner.test"], [target], None)
     assert rnd.tls_for(target).level == "encrypt"

@@ -23,46 +23,61 @@ final dot (a transaction abandoned after 354 is closed without the dot, so
 the next hop has nothing to deliver).
 
 The client never raises for network problems: every exception becomes a
-``RecipientResult`` (see ``delivery.smtp.retry`` for how replies are judged).
+``RecipientResult`` (see ``delivery.smtp.outcome`` for how replies are judged).
 
 This module runs a round's batch (``deliver``, ``_Batch``): messages split
 into groups, one connection per group, targets walked in order, failures
-remembered per target; each connection secured (STARTTLS) and, when the next
-hop has credentials, authenticated (``authenticate``, RFC 4954). One session
-is ``connection.Connection``, its results ``outcome.Recorder``, its TLS
-contexts ``tlscontext``.
+remembered per target (``failure.TargetFailure``); each connection secured
+(STARTTLS) and, when the next hop has credentials, authenticated
+(``auth.authenticate``, RFC 4954). One session is ``connection.Connection``,
+its results ``outcome.Recorder``, its TLS contexts ``tlscontext``. What each
+target requires is worked out before the round sends, by the round's TLS
+plan at the end of this module (``plan``: the TLS policy file, DANE,
+MTA-STS and the next hops' AUTH credentials).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import ipaddress
 import logging
 import os
 import ssl
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 
-from delivery.smtp import retry
+from django.conf import settings
+
+from delivery.smtp import outcome
+from delivery.smtp.auth import authenticate
 from delivery.smtp.connection import (
-    CRLF,
     IMPLICIT_TLS_PORT,
     READ_LIMIT,
     ClaimLost,
     ClientConfig,
     Connection,
     LoadBody,
-    Reply,
     SessionFailed,
     discard,
 )
+from delivery.smtp.failure import NoPeer, TargetFailure
 from delivery.smtp.outcome import Recorder, Security
 from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
-from delivery.smtp.tls import MAY, TLS_REQUIRED, Credentials, TlsRequirement
+from delivery.smtp.tls import (
+    MAY,
+    STRICTNESS,
+    TLS_REQUIRED,
+    Credentials,
+    TlsRequirement,
+    dane_requirements,
+    lookup_auth,
+    mta_sts_requirements,
+    parse_auth,
+    parse_policy,
+)
 from delivery.smtp.tlscontext import context_for, sni
 from delivery.smtp.types import (
     BatchResult,
@@ -132,55 +147,6 @@ def _local_addr(sources: Sequence[str], peer: str) -> tuple[str, int] | None:
     return None
 
 
-@dataclass(slots=True)
-class _Failure:
-    """A connection-level failure at one target, remembered for deferrals."""
-
-    phase: str
-    code: int | None
-    text: str
-    target: Peer
-    error: str = ""  # Exim error name (see delivery.smtp.types.HostFailure)
-    enhanced: str = ""  # overrides the classified enhanced code when set
-    in_reply_to: str = ""  # the command answered, when the phase does not say (AUTH)
-    tls_policy: str = ""
-    # the failed session's TLS (and AUTH) as far as it got, for the attempts
-    security: Security | None = None
-
-    @classmethod
-    def of(cls, exc: SessionFailed, target: Peer, tls_policy: str, security: Security) -> _Failure:
-        return cls(
-            exc.phase,
-            exc.code,
-            exc.text,
-            target,
-            exc.error,
-            exc.enhanced,
-            exc.in_reply_to,
-            tls_policy,
-            replace(security),
-        )
-
-    def describe(self) -> str:
-        t = self.target
-        where = f"{t.host}[{t.ip}]:{t.port}" if t.ip and t.ip != t.host else f"{t.host}:{t.port}"
-        if self.code is None:
-            return f"{where}: {self.text}"
-        command = self.in_reply_to or _IN_REPLY_TO.get(self.phase, self.phase)
-        return f"{where} said: {self.code} {self.text} (in reply to {command})"
-
-
-_IN_REPLY_TO = {
-    retry.GREETING: "the greeting",
-    retry.EHLO: "EHLO",
-    retry.STARTTLS: "STARTTLS",
-    retry.MAIL: "MAIL FROM",
-    retry.RCPT: "RCPT TO",
-    retry.DATA: "DATA",
-    retry.SESSION: "RSET",
-}
-
-
 # --- the batch ------------------------------------------------------------------
 
 
@@ -198,84 +164,6 @@ StillOwner = Callable[[], bool]
 # Called with a finished message's results; what it returns (when not None) is
 # awaited before the same connection starts its next transaction.
 OnSent = Callable[[list[RecipientResult]], Awaitable[object] | None]
-
-
-# --- AUTH to the next hop (RFC 4954), once the connection is secured ----------------
-
-AUTH_FAILED = "auth_failed"  # Exim's error name for a refused AUTH
-VERIFIED_PEER = ("ca", "mta-sts", "dane")  # TlsSecurity.verified values that checked the peer
-
-
-async def authenticate(conn: Connection, creds: Credentials) -> None:
-    """AUTH PLAIN, else LOGIN (RFC 4954), on ``conn`` once it is secured;
-    never in cleartext unless the credentials allow it, and over TLS only
-    when the peer's certificate was verified (a ``verify``/``secure``/``dane``
-    or MTA-STS policy) unless the operator allows unverified TLS. A 5xx is
-    Exim's ``auth_failed``: that next hop will refuse every connection the
-    same way."""
-    host = conn.target.host
-    if not conn.tls and not creds.allow_cleartext:
-        raise SessionFailed(
-            retry.EHLO,
-            None,
-            f"refusing to send AUTH credentials to {host} without TLS "
-            "(add allow-cleartext to its MAILRELAY_SMTP_AUTH line to allow it)",
-            error=TLS_REQUIRED,
-            enhanced=TLS_ENHANCED,
-        )
-    unverified = conn.tls and conn.security.verified not in VERIFIED_PEER
-    if unverified and not (creds.allow_cleartext or conn.config.auth_over_unverified_tls):
-        raise SessionFailed(
-            retry.EHLO,
-            None,
-            f"refusing to send AUTH credentials to {host}: its TLS certificate was not "
-            f"verified (TLS policy {conn.security.policy or 'may'}; give it the level verify, "
-            "secure or dane, or set MAILRELAY_SMTP_AUTH_ALLOW_UNVERIFIED_TLS)",
-            error=TLS_REQUIRED,
-            enhanced=TLS_ENHANCED,
-        )
-    offered = conn.extensions.get("AUTH", "").upper().split()
-    if "PLAIN" in offered:
-        mechanism = "PLAIN"
-        r = await conn.command(b"AUTH PLAIN " + creds.plain() + CRLF, "AUTH", retry.EHLO)
-    elif "LOGIN" in offered:
-        mechanism = "LOGIN"
-        r = await _auth_login(conn, creds)
-    else:
-        raise SessionFailed(
-            retry.EHLO,
-            None,
-            f"{host} offers no AUTH PLAIN or LOGIN (offered: {' '.join(offered) or 'none'}); "
-            "credentials are configured for it",
-            error=AUTH_FAILED,
-            enhanced="4.7.0",
-        )
-    if r.code == 235:
-        conn.security.auth = mechanism
-        return
-    error = AUTH_FAILED if r.code // 100 == 5 else ""
-    # Say plainly what failed (the reply text is often just "failed"), and
-    # keep the peer's enhanced code in its own field.
-    label = "authentication failed (auth_failed)" if error else "authentication deferred"
-    raise SessionFailed(
-        retry.EHLO,
-        r.code,
-        f"{label}: {retry.strip_enhanced(r.text)}",
-        error=error,
-        enhanced=retry.parse_enhanced(r.text),
-        in_reply_to=f"AUTH {mechanism}",
-    )
-
-
-async def _auth_login(conn: Connection, creds: Credentials) -> Reply:
-    """AUTH LOGIN: the user name and the password, each after a 334."""
-    r = await conn.command(b"AUTH LOGIN\r\n", "AUTH", retry.EHLO)
-    for secret in (creds.username, creds.password):
-        if r.code != 334:
-            return r
-        answer = base64.b64encode(secret.encode()) + CRLF
-        r = await conn.command(answer, "AUTH", retry.EHLO)
-    return r
 
 
 class _Batch:
@@ -297,7 +185,7 @@ class _Batch:
         self.states = [_TargetState() for _ in self.targets]
         self.results: list[RecipientResult] = []
         self.connected = False
-        self.last_failure: _Failure | None = None
+        self.last_failure: TargetFailure | None = None
         self.connection_error = ""
         self.host_failures: list[HostFailure] = []
 
@@ -326,7 +214,7 @@ class _Batch:
             if state.tls_broken and not state.dead:
                 yield i, False
 
-    def _fail(self, failure: _Failure) -> _Failure:
+    def _fail(self, failure: TargetFailure) -> TargetFailure:
         self.last_failure = failure
         t = failure.target
         self.host_failures.append(
@@ -347,7 +235,7 @@ class _Batch:
     def requirement(self, target: Peer) -> TlsRequirement:
         return self.config.tls_for(target) if self.config.tls_for is not None else MAY
 
-    async def open(self, index: int, use_tls: bool) -> Connection | _Failure:
+    async def open(self, index: int, use_tls: bool) -> Connection | TargetFailure:
         """Connect, read the greeting, EHLO, STARTTLS when offered (or when the
         TLS policy requires it: never cleartext then), AUTH when configured."""
         target = self.targets[index]
@@ -355,20 +243,20 @@ class _Batch:
         req = self.requirement(target)
         if req.refuse:  # e.g. an MX that the MTA-STS policy does not list
             state.dead = True
-            text = retry.strip_enhanced(req.refuse)
+            text = outcome.strip_enhanced(req.refuse)
             return self._fail(
-                _Failure(
-                    retry.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level
+                TargetFailure(
+                    outcome.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level
                 )
             )
         opened = await self._connect(target, state, req)
-        if isinstance(opened, _Failure):
+        if isinstance(opened, TargetFailure):
             return opened
         return await self._start(opened, state, req, use_tls)
 
     async def _connect(
         self, target: Peer, state: _TargetState, req: TlsRequirement
-    ) -> Connection | _Failure:
+    ) -> Connection | TargetFailure:
         """Connect (port 465: and shake hands); a failure marks the target dead."""
         cfg = self.config
         implicit = target.port == IMPLICIT_TLS_PORT
@@ -385,8 +273,8 @@ class _Batch:
         except ssl.SSLError as exc:  # implicit TLS (port 465): the handshake failed
             state.dead = True
             return self._fail(
-                _Failure(
-                    retry.STARTTLS,
+                TargetFailure(
+                    outcome.STARTTLS,
                     None,
                     f"TLS handshake failed (implicit TLS, port {target.port}): {exc}",
                     target,
@@ -399,8 +287,8 @@ class _Batch:
         except TimeoutError:
             state.dead = True
             return self._fail(
-                _Failure(
-                    retry.CONNECT,
+                TargetFailure(
+                    outcome.CONNECT,
                     None,
                     f"connect timeout after {cfg.connect_timeout:g}s",
                     target,
@@ -412,7 +300,7 @@ class _Batch:
             errno = getattr(exc, "errno", None)
             why = os.strerror(errno) if errno else str(exc) or type(exc).__name__
             return self._fail(
-                _Failure(retry.CONNECT, None, f"connect failed: {why}", target, "refused")
+                TargetFailure(outcome.CONNECT, None, f"connect failed: {why}", target, "refused")
             )
 
         conn = Connection(reader, writer, target, cfg)
@@ -423,7 +311,7 @@ class _Batch:
 
     async def _start(
         self, conn: Connection, state: _TargetState, req: TlsRequirement, use_tls: bool
-    ) -> Connection | _Failure:
+    ) -> Connection | TargetFailure:
         """Greeting, EHLO, STARTTLS (``_secure``) and AUTH on a new connection."""
         cfg = self.config
         target = conn.target
@@ -433,13 +321,13 @@ class _Batch:
                     greeting = await conn.reply("greeting")
             except Exception as exc:  # noqa: BLE001
                 state.dead = True
-                raise conn.lost(exc, retry.GREETING, cfg.command_timeout) from exc
+                raise conn.lost(exc, outcome.GREETING, cfg.command_timeout) from exc
             if greeting.code // 100 != 2:
                 # A 4xx/5xx greeting may be per connection (too many from us),
                 # so the target stays available to the other connections.
-                raise SessionFailed(retry.GREETING, greeting.code, greeting.text)
+                raise SessionFailed(outcome.GREETING, greeting.code, greeting.text)
             self.connected = True
-            await conn.hello(retry.EHLO)
+            await conn.hello(outcome.EHLO)
             await self._secure(conn, state, req, use_tls)
             creds = cfg.auth_for(target) if cfg.auth_for is not None else None
             if creds is not None:
@@ -455,11 +343,13 @@ class _Batch:
                 # It would do the same to every connection of this batch.
                 state.dead = True
             await discard(conn, polite=exc.code is not None)
-            return self._fail(_Failure.of(exc, target, req.level, conn.security))
+            return self._fail(TargetFailure.of(exc, target, req.level, conn.security))
         except Exception as exc:  # a bug must not escape as an exception
             log.exception("unexpected error opening %s", target.host)
             conn.abort()
-            return self._fail(_Failure(retry.SESSION, None, f"internal error: {exc!r}", target))
+            return self._fail(
+                TargetFailure(outcome.SESSION, None, f"internal error: {exc!r}", target)
+            )
         except BaseException:  # cancelled: leave no socket behind
             conn.abort()
             raise
@@ -480,7 +370,7 @@ class _Batch:
                 if exc.code is None and req.require:
                     state.dead = True
                     raise SessionFailed(
-                        retry.STARTTLS,
+                        outcome.STARTTLS,
                         None,
                         f"TLS required ({req.level}) but the TLS handshake with {host} "
                         f"failed: {exc.text.removeprefix('TLS handshake failed: ')}",
@@ -497,7 +387,7 @@ class _Batch:
         if req.require and not conn.tls:
             state.dead = True
             raise SessionFailed(
-                retry.STARTTLS,
+                outcome.STARTTLS,
                 None,
                 f"TLS required ({req.level}) but not offered by {host}",
                 error=TLS_REQUIRED,
@@ -527,12 +417,12 @@ class _Batch:
         remaining = deque(group)
         group_started = clock.now()
         group_t0 = time.monotonic()
-        failure: _Failure | None = None
+        failure: TargetFailure | None = None
         for index, use_tls in self.candidates():
             if not remaining or not self.owner():
                 break
             opened = await self.open(index, use_tls)
-            if isinstance(opened, _Failure):
+            if isinstance(opened, TargetFailure):
                 failure = opened
                 continue
             failure = await self._session(opened, remaining)
@@ -542,7 +432,7 @@ class _Batch:
 
     async def _session(
         self, conn: Connection, remaining: deque[OutboundMessage]
-    ) -> _Failure | None:
+    ) -> TargetFailure | None:
         rec: Recorder | None = None
         conn.may_send = self.owner
         recorded: Awaitable[object] | None = None
@@ -592,16 +482,18 @@ class _Batch:
                 rec.fill(exc.phase, exc.code, exc.text + exc.note, exc.enhanced)
                 self.results.extend(rec.results())
                 remaining.popleft()
-            return self._fail(_Failure.of(exc, conn.target, conn.security.policy, conn.security))
+            return self._fail(
+                TargetFailure.of(exc, conn.target, conn.security.policy, conn.security)
+            )
         except Exception as exc:  # a bug must not lose results or escape
             log.exception("unexpected error delivering to %s", conn.target.host)
             conn.abort()
             text = f"internal error: {exc!r}"
             if rec is not None:
-                rec.fill(retry.SESSION, None, text)
+                rec.fill(outcome.SESSION, None, text)
                 self.results.extend(rec.results())
                 remaining.popleft()
-            return self._fail(_Failure(retry.SESSION, None, text, conn.target))
+            return self._fail(TargetFailure(outcome.SESSION, None, text, conn.target))
         except BaseException:  # cancelled: leave no socket behind
             conn.abort()
             raise
@@ -622,13 +514,13 @@ class _Batch:
     def _defer_remaining(
         self,
         remaining: deque[OutboundMessage],
-        failure: _Failure | None,
+        failure: TargetFailure | None,
         started: datetime,
         t0: float,
     ) -> None:
         failure = failure or self.last_failure
         if failure is None:  # no target at all
-            failure = _Failure(retry.CONNECT, None, "no host to deliver to", _NoPeer())
+            failure = TargetFailure(outcome.CONNECT, None, "no host to deliver to", NoPeer())
         self.connection_error = failure.describe()
         security = failure.security or Security(policy=failure.tls_policy)
         for msg in remaining:
@@ -653,13 +545,6 @@ def _given(future: asyncio.Future[bytes]) -> LoadBody:
 def _retrieve(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
-
-
-@dataclass(frozen=True)
-class _NoPeer:
-    host: str = ""
-    ip: str = ""
-    port: int = 0
 
 
 async def deliver(
@@ -723,3 +608,149 @@ async def deliver(
         host_failures=batch.host_failures,
         abandoned=batch.abandoned,
     )
+
+
+# --- the round's TLS plan and next-hop AUTH, worked out before it sends ---------------
+#
+# What each target requires: ``plan`` looks it all up before a round sends (the
+# policy file, DANE and MTA-STS: DNS and HTTPS, bounded by timeouts; the MTA-STS
+# part through the round's ``wait``, which keeps its claim renewed), and the next
+# hops' AUTH credentials with it; the connections only read the result
+# (``RoundTls.tls_for``, ``RoundTls.auth_for``, through ``ClientConfig``). The
+# levels, the two files' formats and what DANE and MTA-STS require are
+# ``delivery.smtp.tls``'s.
+
+
+def requirement(level: str, ca_file: str = "") -> TlsRequirement:
+    """The requirement of a level without DNS data (not for dane levels)."""
+    if level in ("verify", "secure"):
+        return TlsRequirement(level, True, "ca", ca_file=ca_file)
+    if level == "encrypt":
+        return TlsRequirement(level, True)
+    return TlsRequirement(level)
+
+
+_loaded: tuple[tuple[str, float], dict[str, str]] | None = None
+
+
+def load_policy() -> dict[str, str]:
+    """The table of ``MAILRELAY_TLS_POLICY``, read again when the file changes."""
+    global _loaded
+    path = settings.MAILRELAY_TLS_POLICY.strip()
+    if not path:
+        return {}
+    stamp = (path, os.stat(path).st_mtime)
+    if _loaded is None or _loaded[0] != stamp:
+        with open(path, encoding="utf-8") as fh:
+            _loaded = (stamp, parse_policy(fh.read()))
+    return _loaded[1]
+
+
+def _domain_keys(domain: str) -> Iterable[str]:
+    """``a.b.com``, then ``.b.com``, then ``.com`` (Postfix: ``.domain`` matches
+    subdomains only)."""
+    domain = domain.rstrip(".").lower()
+    yield domain
+    labels = domain.split(".")
+    for i in range(1, len(labels)):
+        yield "." + ".".join(labels[i:])
+
+
+def level_for(
+    table: dict[str, str], domains: Iterable[str], hop_names: Iterable[str]
+) -> str | None:
+    """The strictest level configured for the round's next hops and domains,
+    or None when no line applies."""
+    found = [table[name.lower()] for name in hop_names if name.lower() in table]
+    for domain in domains:
+        for key in _domain_keys(domain):
+            if key in table:
+                found.append(table[key])
+                break
+    return max(found, key=STRICTNESS.__getitem__) if found else None
+
+
+def _names(host: str, port: int) -> list[str]:
+    """The ways a next hop may be written, most specific first."""
+    return [f"[{host}]:{port}", f"[{host}]", f"{host}:{port}", host]
+
+
+@dataclass
+class RoundTls:
+    """The TLS requirement and AUTH credentials per target for one round."""
+
+    default: TlsRequirement = MAY
+    by_target: dict[tuple[str, int], TlsRequirement] = field(default_factory=dict)
+    auth: dict[tuple[str, int], Credentials] = field(default_factory=dict)
+    # MTA-STS "testing" failures, for the operator (queues Event)
+    reports: list[str] = field(default_factory=list)
+
+    def tls_for(self, peer) -> TlsRequirement:
+        return self.by_target.get((peer.host, peer.port), self.default)
+
+    def auth_for(self, peer) -> Credentials | None:
+        return self.auth.get((peer.host, peer.port))
+
+
+def plan(
+    link_hops: Sequence,
+    dns_routed: bool,
+    domains: Sequence[str],
+    targets: Sequence,
+    now: datetime,
+    wait: Callable | None = None,
+) -> RoundTls:
+    """Work out, before a round, what each target requires (above; the levels in
+    ``delivery.smtp.tls``'s doc).
+
+    ``link_hops`` are the link's ``NextHop``s, ``targets`` the addresses the
+    client will try (``routing.Target``: host, ip, port). ``wait`` runs the
+    MTA-STS lookups and fetches (``mta_sts.policy_for``): a round passes one
+    that renews its claim meanwhile.
+    """
+    from delivery.route.routing import configured_hops, hop_label
+
+    ca_file = settings.MAILRELAY_TLS_CA_FILE
+    hops = list(link_hops)
+    if not dns_routed:  # the hops as written too, when an MX lookup expanded them
+        hops += [hop for domain in domains for hop in configured_hops(domain)]
+    hop_names = list(
+        dict.fromkeys(n for hop in hops for n in [hop_label(hop), *_names(hop.host, hop.port)])
+    )
+    configured = level_for(load_policy(), domains, hop_names)
+    level = configured or settings.MAILRELAY_TLS_DEFAULT_LEVEL
+    rnd = RoundTls(default=requirement(level, ca_file))
+    hosts = sorted({(t.host, t.port) for t in targets})
+    if level in ("dane", "dane-only"):
+        rnd.default, rnd.by_target = dane_requirements(level, hosts)
+    elif configured is None and dns_routed and settings.MAILRELAY_MTA_STS:
+        rnd.by_target, rnd.reports = mta_sts_requirements(domains, hosts, now, ca_file, wait)
+    table = load_auth()
+    if table:
+        for host, port in hosts:
+            creds = lookup_auth(table, _names(host, port) + hop_names)
+            if creds is not None:
+                rnd.auth[(host, port)] = creds
+    return rnd
+
+
+_auth_loaded: tuple[tuple[str, float], dict[str, Credentials]] | None = None
+
+
+def load_auth() -> dict[str, Credentials]:
+    """The table of ``MAILRELAY_SMTP_AUTH`` (a path, or the content from a
+    ``_FILE`` secret), read again when the file changes."""
+    global _auth_loaded
+    value = settings.MAILRELAY_SMTP_AUTH
+    if not value.strip():
+        return {}
+    path = value.strip()
+    if any(ch.isspace() for ch in path):  # content (a _FILE secret), not a path
+        return parse_auth(value)
+    if not os.path.isfile(path):
+        raise ValueError(f"file {path!r} does not exist")
+    stamp = (path, os.stat(path).st_mtime)
+    if _auth_loaded is None or _auth_loaded[0] != stamp:
+        with open(path, encoding="utf-8") as fh:
+            _auth_loaded = (stamp, parse_auth(fh.read()))
+    return _auth_loaded[1]

@@ -9,7 +9,7 @@ final reply closes the transaction. A session that cannot go on raises
 ``SessionFailed``; a round that lost its claim raises ``ClaimLost`` before
 the final dot. ``ClientConfig`` is the frozen configuration every
 connection of a round shares, read from settings once per round. AUTH to the
-next hop is the round's (``delivery.smtp.client.authenticate``), once the
+next hop is the round's (``delivery.smtp.auth.authenticate``), once the
 connection is secured.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from delivery.smtp import dane, mta_sts, retry
+from delivery.smtp import dane, mta_sts, outcome
 from delivery.smtp.outcome import BAD_RECIPIENT, BAD_SENDER, Recorder, Refusal, Security
 from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
 from delivery.smtp.tls import TLS_REQUIRED, Credentials, TlsRequirement
@@ -60,7 +60,7 @@ WRITE_CHUNK = 1024 * 1024
 END_MARK = b".\r\n"
 # Enhanced code for a reply we could not parse or would not read (RFC 3463:
 # 4.5.0 other or undefined protocol status).
-PROTOCOL_ENHANCED = retry.PROTOCOL_ERROR_ENHANCED
+PROTOCOL_ENHANCED = outcome.PROTOCOL_ERROR_ENHANCED
 END_OF_DATA = "end of data"
 # Next hops on this port speak TLS from the first byte (RFC 8314 "submissions").
 IMPLICIT_TLS_PORT = 465
@@ -78,7 +78,7 @@ class ClientConfig:
     max_messages_per_connection: int = 20
     max_connections: int = 20
     # Per target: the TLS requirement (None: "may" everywhere) and the AUTH
-    # credentials (None: no AUTH); see delivery.smtp.tls.RoundTls.
+    # credentials (None: no AUTH); see delivery.smtp.client.RoundTls.
     tls_for: Callable[[Peer], TlsRequirement] | None = None
     auth_for: Callable[[Peer], Credentials | None] | None = None
     # Source addresses to bind (at most one IPv4, one IPv6; delivery.shaping):
@@ -142,7 +142,7 @@ class Reply(NamedTuple):
         codes repeated on continuation lines are dropped."""
         if len(self.lines) == 1:
             return self.lines[0]
-        return " ".join([self.lines[0], *(retry.strip_enhanced(x) for x in self.lines[1:])])
+        return " ".join([self.lines[0], *(outcome.strip_enhanced(x) for x in self.lines[1:])])
 
 
 # --- the envelope of one message for this peer: its MAIL and RCPT lines ----------------
@@ -223,11 +223,11 @@ def build_envelope(
     limit = size_limit(extensions)
     if limit and len(data) > limit:
         text = f"message size {len(data)} exceeds size limit {limit} of {host}"
-        return Refusal(retry.MAIL, "5.3.4", text)
+        return Refusal(outcome.MAIL, "5.3.4", text)
     utf8 = needs_smtputf8(msg, data)
     if utf8 and "SMTPUTF8" not in extensions:
         text = f"{host} does not support SMTPUTF8, which this message needs"
-        return Refusal(retry.MAIL, "5.6.7", text)
+        return Refusal(outcome.MAIL, "5.6.7", text)
     mail = mail_line(msg, len(data), utf8 or msg.smtputf8, extensions)
     rcpts, lines, refused = rcpt_lines(msg.recipients, extensions)
     return Envelope(mail, rcpts, lines, refused)
@@ -426,9 +426,9 @@ class Connection:
     async def starttls(self, context: ssl.SSLContext | None = None) -> bool:
         """STARTTLS and a fresh EHLO. Returns False when the peer declined
         (the session goes on in cleartext); raises when TLS broke the session."""
-        r = await self.command(b"STARTTLS\r\n", "STARTTLS", retry.STARTTLS)
-        if r.code in retry.CONNECTION_CODES:
-            raise SessionFailed(retry.STARTTLS, r.code, r.text)
+        r = await self.command(b"STARTTLS\r\n", "STARTTLS", outcome.STARTTLS)
+        if r.code in outcome.CONNECTION_CODES:
+            raise SessionFailed(outcome.STARTTLS, r.code, r.text)
         if r.code != 220:
             log.info(
                 "%s declined STARTTLS (%s %s); going on in cleartext",
@@ -440,7 +440,9 @@ class Connection:
         # Bytes already waiting after the 220 were sent in cleartext and
         # would be read as if protected (CVE-2011-0411): refuse them.
         if getattr(self.reader, "_buffer", b""):
-            raise SessionFailed(retry.STARTTLS, None, "data after the STARTTLS reply (injection?)")
+            raise SessionFailed(
+                outcome.STARTTLS, None, "data after the STARTTLS reply (injection?)"
+            )
         self.waiting_for = "TLS handshake"
         try:
             async with asyncio.timeout(self.config.command_timeout):
@@ -451,9 +453,9 @@ class Connection:
             why = str(exc) or type(exc).__name__
             if isinstance(exc, TimeoutError):
                 why = f"timeout after {self.config.command_timeout:g}s"
-            raise SessionFailed(retry.STARTTLS, None, f"TLS handshake failed: {why}") from exc
+            raise SessionFailed(outcome.STARTTLS, None, f"TLS handshake failed: {why}") from exc
         self.tls_established()
-        await self.hello(retry.EHLO)
+        await self.hello(outcome.EHLO)
         return True
 
     def tls_established(self) -> None:
@@ -472,7 +474,7 @@ class Connection:
             chain = peer_chain(self.writer.get_extra_info("ssl_object"))
             if dane.match(req.tlsa, chain) is None:
                 raise SessionFailed(
-                    retry.STARTTLS,
+                    outcome.STARTTLS,
                     None,
                     f"TLS required ({req.level}) but no TLSA record of {self.target.host} "
                     "matches its certificate (DANE)",
@@ -493,9 +495,9 @@ class Connection:
     # Sending one message ----------------------------------------------------------
 
     async def rset(self) -> None:
-        r = await self.command(b"RSET\r\n", "RSET", retry.SESSION)
+        r = await self.command(b"RSET\r\n", "RSET", outcome.SESSION)
         if r.code // 100 != 2:
-            raise SessionFailed(retry.SESSION, r.code, r.text)
+            raise SessionFailed(outcome.SESSION, r.code, r.text)
         self.need_rset = False
 
     async def send(
@@ -540,7 +542,7 @@ class Connection:
             return  # lock-step stopped before DATA: MAIL refused or no RCPT accepted
         if reply.code != 354:
             if accepted:
-                rec.set_many(accepted, retry.DATA, reply.code, reply.text)
+                rec.set_many(accepted, outcome.DATA, reply.code, reply.text)
             return
 
         self.waiting_for = END_OF_DATA
@@ -552,7 +554,7 @@ class Connection:
         except ClaimLost:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise self.lost(exc, retry.SESSION, self.config.data_timeout) from exc
+            raise self.lost(exc, outcome.SESSION, self.config.data_timeout) from exc
         self._end_transaction(reply, accepted, rec)
 
     async def _read_body(
@@ -570,7 +572,7 @@ class Connection:
         except Exception as exc:  # noqa: BLE001 - that message waits, the session goes on
             log.warning("cannot read the body of message %s: %r", msg.id, exc)
             text = f"cannot read the message body: {exc}"
-            rec.refuse(msg.recipients, Refusal(retry.MAIL, "4.3.0", text))
+            rec.refuse(msg.recipients, Refusal(outcome.MAIL, "4.3.0", text))
             return None
 
     async def _exchange(
@@ -589,7 +591,7 @@ class Connection:
         except SessionFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a result by lost()
-            raise self.lost(exc, retry.SESSION, self.config.command_timeout) from exc
+            raise self.lost(exc, outcome.SESSION, self.config.command_timeout) from exc
 
     async def _pipelined(
         self, envelope: Envelope, rec: Recorder
@@ -605,10 +607,10 @@ class Connection:
             if not mail_ok:
                 # Read and checked for 421 only: a 503 "need MAIL" says
                 # nothing about the recipient.
-                await self._checked_reply("RCPT TO", retry.RCPT)
+                await self._checked_reply("RCPT TO", outcome.RCPT)
             elif await self._rcpt_reply(rcpt, rec):
                 accepted.append(rcpt)
-        return await self._checked_reply("DATA", retry.DATA), accepted
+        return await self._checked_reply("DATA", outcome.DATA), accepted
 
     async def _lockstep(
         self, envelope: Envelope, rec: Recorder
@@ -632,29 +634,29 @@ class Connection:
             return None, accepted
         write(DATA_LINE)
         await drain()
-        return await self._checked_reply("DATA", retry.DATA), accepted
+        return await self._checked_reply("DATA", outcome.DATA), accepted
 
     async def _checked_reply(self, waiting_for: str, phase: str) -> Reply:
         """The next reply; a 421 ends the session (``SessionFailed``)."""
         r = await self.reply(waiting_for)
-        if r.code in retry.CONNECTION_CODES:
+        if r.code in outcome.CONNECTION_CODES:
             raise SessionFailed(phase, r.code, r.text)
         return r
 
     async def _mail_reply(self, envelope: Envelope, rec: Recorder) -> bool:
         """Whether MAIL was accepted; if not, its reply goes to every recipient sent."""
-        r = await self._checked_reply("MAIL FROM", retry.MAIL)
+        r = await self._checked_reply("MAIL FROM", outcome.MAIL)
         if r.code // 100 == 2:
             return True
-        rec.set_many(envelope.rcpts, retry.MAIL, r.code, r.text)
+        rec.set_many(envelope.rcpts, outcome.MAIL, r.code, r.text)
         return False
 
     async def _rcpt_reply(self, rcpt: OutboundRecipient, rec: Recorder) -> bool:
         """Whether ``rcpt`` was accepted; if not, it gets the reply."""
-        r = await self._checked_reply("RCPT TO", retry.RCPT)
+        r = await self._checked_reply("RCPT TO", outcome.RCPT)
         if r.code // 100 == 2:
             return True
-        rec.set(rcpt, retry.RCPT, r.code, r.text)
+        rec.set(rcpt, outcome.RCPT, r.code, r.text)
         return False
 
     async def _send_body(self, data: bytes | None) -> None:
@@ -681,10 +683,10 @@ class Connection:
         """The reply to the final dot closes the transaction (no RSET needed);
         it goes to the accepted recipients, unless it is a 421."""
         self.need_rset = False
-        if reply.code in retry.CONNECTION_CODES:
-            raise SessionFailed(retry.DATA, reply.code, reply.text)
+        if reply.code in outcome.CONNECTION_CODES:
+            raise SessionFailed(outcome.DATA, reply.code, reply.text)
         if accepted:
-            rec.set_many(accepted, retry.DATA, reply.code, reply.text)
+            rec.set_many(accepted, outcome.DATA, reply.code, reply.text)
 
     # Ending -------------------------------------------------------------------------
 

@@ -22,17 +22,19 @@ from django.db import connection, transaction
 from delivery.qmgr.ownership import Claim, while_connected, while_renewing
 from delivery.route.routing import DNS_MX, NextHop, order_targets
 from delivery.shaping import gate as shaping_gate
-from delivery.smtp import retry
-from delivery.smtp import tls as tls_policy
-from delivery.smtp.client import ClientConfig, connections_for, deliver
+from delivery.smtp.client import ClientConfig, connections_for, deliver, plan
 from delivery.smtp.outcome import (
     Carried,
     Round,
     attempt_values,
     decide,
+    forget_hints,
     link_outcome,
     reply_host,
+    store_hints,
+    stored_hints,
     unattempted,
+    usable_targets,
 )
 from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
 from queues import transitions
@@ -351,7 +353,7 @@ def _record(
         del r._state.fields_cache["message"]  # the rows are written back without it
         rows[r.id] = r
     senders = {mid: fact[1] for mid, fact in facts.items()}
-    hints = retry.stored_hints(f for f in batch.host_failures if f.host)
+    hints = stored_hints(f for f in batch.host_failures if f.host)
     rnd = decide(link, batch, rows, senders, hints, now)
     if final and carried is not None:
         carried.give(rnd)
@@ -426,12 +428,12 @@ def _write_hints(rnd: Round, *, forget: bool = True) -> None:
     safe), so data that cannot be written is logged and dropped, never the
     round's recorded outcomes with it. A lost connection is still an outage."""
     if forget and rnd.cleared_hints:
-        retry.forget_hints(rnd.cleared_hints)  # a DELETE by bounded keys: cannot fail on data
+        forget_hints(rnd.cleared_hints)  # a DELETE by bounded keys: cannot fail on data
     if not rnd.hints:
         return
     try:
         with transaction.atomic():
-            retry.store_hints(rnd.hints)
+            store_hints(rnd.hints)
     except Exception as exc:
         if is_outage(exc):
             raise
@@ -493,8 +495,8 @@ def _deliver_round(
     hops = [NextHop.from_json(h) for h in link.hosts]
     targets, error = order_targets(hops)
     domain = messages[0].recipients[0].address.rpartition("@")[2] if messages else link.name
-    hints = while_connected(claim, lambda: retry.stored_hints(targets))
-    targets, verdict = retry.usable_targets(targets, hints, domain=domain, now=clock.now())
+    hints = while_connected(claim, lambda: stored_hints(targets))
+    targets, verdict = usable_targets(targets, hints, domain=domain, now=clock.now())
     if verdict == "bounce":
         batch = unattempted(
             messages,
@@ -550,7 +552,7 @@ def _with_tls(
     claim: Claim | None = None,
 ) -> ClientConfig | str:
     """``config`` with the round's TLS requirements and AUTH credentials
-    (delivery.smtp.tls.plan: policy file, MTA-STS, DANE, all looked up here,
+    (delivery.smtp.client.plan: policy file, MTA-STS, DANE, all looked up here,
     before the round sends; a recipient domain's MTA-STS server is waited for
     while ``claim`` is renewed); or why the round cannot go (then it is
     deferred: a policy that cannot be read must not become cleartext)."""
@@ -558,7 +560,7 @@ def _with_tls(
     wait = partial(while_renewing, claim) if claim is not None else None
     dns_routed = link.delivery_type == DNS_MX
     try:
-        planned = tls_policy.plan(hops, dns_routed, domains, targets, clock.now(), wait)
+        planned = plan(hops, dns_routed, domains, targets, clock.now(), wait)
     except Exception as exc:  # noqa: BLE001 - unreadable policy/credentials file
         log.exception("TLS policy of link %s could not be worked out", link.pk)
         return f"TLS policy could not be applied: {exc}"

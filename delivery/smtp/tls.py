@@ -23,26 +23,25 @@ domains share a link in one round, the strictest level applies.
 
 A level that cannot be met is a per-connection temporary failure
 (``4.7.5 ...``, Exim error name ``tls_required``), never a fall-back to
-cleartext. The work happens before a round sends (``plan``: DNS and HTTPS,
-bounded by timeouts; the MTA-STS part through the round's ``wait``, which
-keeps its claim renewed); the SMTP client only reads the result
-(``RoundTls.tls_for``, ``RoundTls.auth_for``).
+cleartext. The work happens before a round sends (``delivery.smtp.client.plan``:
+DNS and HTTPS, bounded by timeouts; the MTA-STS part through the round's
+``wait``, which keeps its claim renewed); the SMTP client only reads the
+result (``RoundTls.tls_for``, ``RoundTls.auth_for``). This module holds what
+the plan reads: the levels and ``TlsRequirement``, the policy file's format
+(``parse_policy``), what DANE and MTA-STS require of a round's hosts.
 
-The next hops' AUTH credentials (``MAILRELAY_SMTP_AUTH``, below) are looked up
-in the same plan: which peer gets which account, and whether cleartext is
-allowed for it.
+The next hops' AUTH credentials (``MAILRELAY_SMTP_AUTH``, below: the file's
+format and ``lookup_auth``) are looked up in the same plan: which peer gets
+which account, and whether cleartext is allowed for it.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-
-from django.conf import settings
 
 from delivery.smtp import dane, mta_sts
 from delivery.smtp.dane import Tlsa
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 
 LEVELS = ("none", "may", "encrypt", "verify", "secure", "dane", "dane-only")
 # Which level wins when several destinations of one round disagree.
-_STRICTNESS = {
+STRICTNESS = {
     "none": 0,
     "may": 1,
     "dane": 2,
@@ -87,15 +86,6 @@ class TlsRequirement:
 MAY = TlsRequirement()
 
 
-def requirement(level: str, ca_file: str = "") -> TlsRequirement:
-    """The requirement of a level without DNS data (not for dane levels)."""
-    if level in ("verify", "secure"):
-        return TlsRequirement(level, True, "ca", ca_file=ca_file)
-    if level == "encrypt":
-        return TlsRequirement(level, True)
-    return TlsRequirement(level)
-
-
 # --- the policy file ----------------------------------------------------------------
 
 
@@ -118,143 +108,30 @@ def parse_policy(text: str) -> dict[str, str]:
     return table
 
 
-_loaded: tuple[tuple[str, float], dict[str, str]] | None = None
+# --- what DANE and MTA-STS require (for ``delivery.smtp.client.plan``) ---------------
 
 
-def load_policy() -> dict[str, str]:
-    """The table of ``MAILRELAY_TLS_POLICY``, read again when the file changes."""
-    global _loaded
-    path = settings.MAILRELAY_TLS_POLICY.strip()
-    if not path:
-        return {}
-    stamp = (path, os.stat(path).st_mtime)
-    if _loaded is None or _loaded[0] != stamp:
-        with open(path, encoding="utf-8") as fh:
-            _loaded = (stamp, parse_policy(fh.read()))
-    return _loaded[1]
-
-
-def validate_tls_settings() -> list[tuple[str, object]]:
-    """(setting, check) pairs for the start-up check (``delivery.checks``): each
-    check raises ValueError naming the bad line."""
-
-    def policy() -> object:
-        try:
-            return load_policy()
-        except OSError as exc:
-            raise ValueError(f"cannot read {settings.MAILRELAY_TLS_POLICY!r}: {exc}") from None
-
-    def default() -> object:
-        if settings.MAILRELAY_TLS_DEFAULT_LEVEL not in LEVELS:
-            raise ValueError(f"must be one of {', '.join(LEVELS)}")
-        return None
-
-    return [
-        ("MAILRELAY_TLS_POLICY", policy),
-        ("MAILRELAY_TLS_DEFAULT_LEVEL", default),
-        ("MAILRELAY_SMTP_AUTH", load_auth),
-    ]
-
-
-def _domain_keys(domain: str) -> Iterable[str]:
-    """``a.b.com``, then ``.b.com``, then ``.com`` (Postfix: ``.domain`` matches
-    subdomains only)."""
-    domain = domain.rstrip(".").lower()
-    yield domain
-    labels = domain.split(".")
-    for i in range(1, len(labels)):
-        yield "." + ".".join(labels[i:])
-
-
-def level_for(
-    table: dict[str, str], domains: Iterable[str], hop_names: Iterable[str]
-) -> str | None:
-    """The strictest level configured for the round's next hops and domains,
-    or None when no line applies."""
-    found = [table[name.lower()] for name in hop_names if name.lower() in table]
-    for domain in domains:
-        for key in _domain_keys(domain):
-            if key in table:
-                found.append(table[key])
-                break
-    return max(found, key=_STRICTNESS.__getitem__) if found else None
-
-
-# --- one round ----------------------------------------------------------------------
-
-
-def _names(host: str, port: int) -> list[str]:
-    """The ways a next hop may be written, most specific first."""
-    return [f"[{host}]:{port}", f"[{host}]", f"{host}:{port}", host]
-
-
-@dataclass
-class RoundTls:
-    """The TLS requirement and AUTH credentials per target for one round."""
-
-    default: TlsRequirement = MAY
-    by_target: dict[tuple[str, int], TlsRequirement] = field(default_factory=dict)
-    auth: dict[tuple[str, int], Credentials] = field(default_factory=dict)
-    # MTA-STS "testing" failures, for the operator (queues Event)
-    reports: list[str] = field(default_factory=list)
-
-    def tls_for(self, peer) -> TlsRequirement:
-        return self.by_target.get((peer.host, peer.port), self.default)
-
-    def auth_for(self, peer) -> Credentials | None:
-        return self.auth.get((peer.host, peer.port))
-
-
-def plan(
-    link_hops: Sequence,
-    dns_routed: bool,
-    domains: Sequence[str],
-    targets: Sequence,
-    now: datetime,
-    wait: Callable | None = None,
-) -> RoundTls:
-    """Work out, before a round, what each target requires (see the module doc).
-
-    ``link_hops`` are the link's ``NextHop``s, ``targets`` the addresses the
-    client will try (``routing.Target``: host, ip, port). ``wait`` runs the
-    MTA-STS lookups and fetches (``mta_sts.policy_for``): a round passes one
-    that renews its claim meanwhile.
-    """
+def dane_requirements(
+    level: str, hosts: Sequence[tuple[str, int]]
+) -> tuple[TlsRequirement, dict[tuple[str, int], TlsRequirement]]:
+    """What a ``dane``/``dane-only`` level requires of a target not looked up
+    (none should be: no TLSA known), and of each of ``hosts``, looked up."""
     from delivery.route.dns import make_resolver
-    from delivery.route.routing import configured_hops, hop_label
 
-    ca_file = settings.MAILRELAY_TLS_CA_FILE
-    hops = list(link_hops)
-    if not dns_routed:  # the hops as written too, when an MX lookup expanded them
-        hops += [hop for domain in domains for hop in configured_hops(domain)]
-    hop_names = list(
-        dict.fromkeys(n for hop in hops for n in [hop_label(hop), *_names(hop.host, hop.port)])
+    by_target = {
+        (host, port): _dane(level, host, port, make_resolver(cache=False)) for host, port in hosts
+    }
+    default = (
+        TlsRequirement(level)
+        if level == "dane"
+        else TlsRequirement(level, True, refuse=f"{ENHANCED} no TLSA lookup for this host")
     )
-    configured = level_for(load_policy(), domains, hop_names)
-    level = configured or settings.MAILRELAY_TLS_DEFAULT_LEVEL
-    rnd = RoundTls(default=requirement(level, ca_file))
-    hosts = sorted({(t.host, t.port) for t in targets})
-    if level in ("dane", "dane-only"):
-        for host, port in hosts:
-            rnd.by_target[(host, port)] = _dane(level, host, port, make_resolver(cache=False))
-        # A target not looked up (none should be): no TLSA known.
-        rnd.default = (
-            TlsRequirement(level)
-            if level == "dane"
-            else TlsRequirement(level, True, refuse=f"{ENHANCED} no TLSA lookup for this host")
-        )
-    elif configured is None and dns_routed and settings.MAILRELAY_MTA_STS:
-        _apply_mta_sts(rnd, make_resolver(), domains, hosts, now, ca_file, wait)
-    table = load_auth()
-    if table:
-        for host, port in hosts:
-            creds = lookup_auth(table, _names(host, port) + hop_names)
-            if creds is not None:
-                rnd.auth[(host, port)] = creds
-    return rnd
+    return default, by_target
 
 
 def _dane(level: str, host: str, port: int, resolver) -> TlsRequirement:
+    """What a ``dane``/``dane-only`` level requires of one MX host, from its
+    DNSSEC-validated TLSA records (RFC 7672)."""
     try:
         records = dane.tlsa_records(resolver, host, port)
     except dane.TlsaLookupError as exc:
@@ -271,25 +148,31 @@ def _dane(level: str, host: str, port: int, resolver) -> TlsRequirement:
     return TlsRequirement(level)  # dane without TLSA: opportunistic
 
 
-def _apply_mta_sts(
-    rnd: RoundTls,
-    resolver,
+def mta_sts_requirements(
     domains: Sequence[str],
     hosts: Sequence[tuple[str, int]],
     now: datetime,
     ca_file: str,
     wait: Callable | None,
-) -> None:
+) -> tuple[dict[tuple[str, int], TlsRequirement], list[str]]:
+    """What the recipient domains' MTA-STS policies require of each of ``hosts``
+    (none: no requirement of their own), and what their "testing" policies
+    would refuse, for the operator."""
+    from delivery.route.dns import make_resolver
+
+    resolver = make_resolver()
+    by_target: dict[tuple[str, int], TlsRequirement] = {}
+    reports: list[str] = []
     policies = [p for d in domains if (p := mta_sts.policy_for(resolver, d, now, wait)) is not None]
     policies = [p for p in policies if p.mode in ("enforce", "testing")]
     if not policies:
-        return
+        return by_target, reports
     enforce = [p for p in policies if p.mode == "enforce"]
     for host, port in hosts:
         if enforce:
             bad = [p for p in enforce if not p.mx_matches(host)]
             if bad:
-                rnd.by_target[(host, port)] = TlsRequirement(
+                by_target[(host, port)] = TlsRequirement(
                     "mta-sts",
                     True,
                     "mta-sts",
@@ -299,19 +182,20 @@ def _apply_mta_sts(
                     ),
                 )
             else:
-                rnd.by_target[(host, port)] = TlsRequirement(
+                by_target[(host, port)] = TlsRequirement(
                     "mta-sts", True, "mta-sts", ca_file=ca_file
                 )
         testing = [p for p in policies if p.mode == "testing"]
         for p in testing:
             if not p.mx_matches(host):
-                rnd.reports.append(
+                reports.append(
                     f"MTA-STS (testing) of {p.domain}: MX host {host} does not match "
                     f"{', '.join(p.mx)}; delivered anyway"
                 )
         if testing and not enforce:
             # TLS is checked after the fact; a failure is reported, not fatal.
-            rnd.by_target[(host, port)] = TlsRequirement("may", False, "report", ca_file=ca_file)
+            by_target[(host, port)] = TlsRequirement("may", False, "report", ca_file=ca_file)
+    return by_target, reports
 
 
 # ----------------------------------------------------------------------------
@@ -375,28 +259,6 @@ def parse_auth(text: str) -> dict[str, Credentials]:
             raise ValueError(f"line {number}: empty username")
         table[_key(parts[0])] = Credentials(username, password, ALLOW_CLEARTEXT in flags)
     return table
-
-
-_auth_loaded: tuple[tuple[str, float], dict[str, Credentials]] | None = None
-
-
-def load_auth() -> dict[str, Credentials]:
-    """The table of ``MAILRELAY_SMTP_AUTH`` (a path, or the content from a
-    ``_FILE`` secret), read again when the file changes."""
-    global _auth_loaded
-    value = settings.MAILRELAY_SMTP_AUTH
-    if not value.strip():
-        return {}
-    path = value.strip()
-    if any(ch.isspace() for ch in path):  # content (a _FILE secret), not a path
-        return parse_auth(value)
-    if not os.path.isfile(path):
-        raise ValueError(f"file {path!r} does not exist")
-    stamp = (path, os.stat(path).st_mtime)
-    if _auth_loaded is None or _auth_loaded[0] != stamp:
-        with open(path, encoding="utf-8") as fh:
-            _auth_loaded = (stamp, parse_auth(fh.read()))
-    return _auth_loaded[1]
 
 
 def lookup_auth(table: dict[str, Credentials], names: list[str]) -> Credentials | None:
