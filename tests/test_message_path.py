@@ -44,8 +44,9 @@ PROJECT = tuple(
 # the store's signals, queues/counters.py off the path: 21; the task_prerun hook
 # in the engine's Celery module (delivery/qmgr/tasks.py), not mailrelay/celery.py: 20;
 # the DKIM key store in the accept, queues/dkim.py run only when a key applies: 19;
-# the categorizer in the queue manager's tasks module (delivery/qmgr/tasks.py): 18.)
-PATH_FILES = 18
+# the categorizer in the queue manager's tasks module (delivery/qmgr/tasks.py): 18;
+# the retry classification in the round's outcome, the TLS plan in the client: 16.)
+PATH_FILES = 16
 
 MESSAGE = (
     "From: a@example.org\r\nTo: b@example.net\r\nSubject: path\r\n"
