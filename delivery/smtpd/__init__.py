@@ -1,8 +1,9 @@
 """Inbound SMTP: accept mail over SMTP into the queue store (``message_accept``).
 
 ``session`` speaks the protocol (``InboundSMTP``, behind ``aiosmtpd_adapter``,
-the one place that touches aiosmtpd's private members), with ``auth``'s AUTH
-command; ``policy`` parses and judges (pure) and names every reply; ``server``
-runs the listeners, the database threads, the group commit and the
-categorizer doorbell; ``manage.py runsmtp`` starts it.
+the one place that touches aiosmtpd's private members), with ``commands``'
+HELO/EHLO, MAIL and RCPT and ``auth``'s AUTH; ``policy`` parses and judges
+(pure) and names every reply; ``server`` runs the listeners, the database
+threads, the group commit and the categorizer doorbell; ``manage.py
+runsmtp`` starts it.
 """

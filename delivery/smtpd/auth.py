@@ -5,7 +5,7 @@ command, its 334 challenges read from the connection, the PLAIN and LOGIN
 responses decoded, and the credentials checked in a database thread. How
 many guesses an address or a username gets is ``authlimit``'s; the account
 and its password hash are ``queues.services.accounts``'. AUTH is offered
-inside TLS only (``InboundSMTP.smtp_EHLO`` advertises it there).
+inside TLS only (``commands.Commands.smtp_EHLO`` advertises it there).
 """
 
 from __future__ import annotations

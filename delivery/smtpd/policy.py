@@ -202,6 +202,17 @@ def parse_rcpt_params(text: str, *, utf8: bool) -> RcptParams:
 # ------------------------------------------------------------------ the commands
 
 
+def command_argument(keyword: str, arg: str) -> str | None:
+    """What follows ``keyword`` ("FROM:", "TO:") in a MAIL/RCPT argument, or None.
+
+    As aiosmtpd's own (private) helper does: the keyword case-insensitively,
+    the rest stripped.
+    """
+    if arg[: len(keyword)].upper() == keyword:
+        return arg[len(keyword) :].strip()
+    return None
+
+
 def parse_mail(arg: str, *, extended: bool, max_size: int) -> tuple[Mailbox | None, MailParams]:
     """The argument of MAIL after ``FROM:``. ``None`` is the null sender."""
     try:

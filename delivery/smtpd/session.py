@@ -1,32 +1,33 @@
 """The inbound SMTP protocol: one ``InboundSMTP`` per client connection.
 
-It speaks the protocol (HELO/EHLO, MAIL, RCPT, DATA, the junk-command
-budget, the DATA deadline; AUTH is ``auth.AuthCommand``, one of its bases)
-and reaches aiosmtpd's private members only through
-``aiosmtpd_adapter.AiosmtpdSession``. What it decides comes from
-``policy`` (paths, parameters, relay) and from the server it belongs to
-(``SessionHost``: connection counting, back pressure, the database threads);
-what happens to a message once its data is in is the handler's
-(``server.RelayHandler``). It reads no settings: only its frozen
+It speaks the protocol: the connection's life cycle, the replies, and DATA
+with its deadline, here; the commands before DATA (HELO/EHLO, MAIL, RCPT,
+the junk-command budget) are ``commands.Commands`` and AUTH is
+``auth.AuthCommand``, two of its bases. It reaches aiosmtpd's private
+members only through ``aiosmtpd_adapter.AiosmtpdSession``. What it decides
+comes from ``policy`` (paths, parameters, relay) and from the server it
+belongs to (``SessionHost``: connection counting, back pressure, the
+database threads); what happens to a message once its data is in is the
+handler's (``server.RelayHandler``). It reads no settings: only its frozen
 ``InboundConfig``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from aiosmtpd.smtp import SMTP, Envelope, syntax
+from aiosmtpd.smtp import Envelope, syntax
 
 from delivery.smtpd import policy
 from delivery.smtpd.aiosmtpd_adapter import AiosmtpdSession
-from delivery.smtpd.auth import AUTH_MECHANISMS, AuthCommand
+from delivery.smtpd.auth import AuthCommand
 from delivery.smtpd.authlimit import AuthLimiter
-from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION, SUBMISSIONS, InboundConfig
+from delivery.smtpd.commands import Commands
+from delivery.smtpd.config import SMTP_LISTENER, SUBMISSIONS, InboundConfig
 from queues.accept import IncomingRecipient
 from queues.services import accounts
 
@@ -108,17 +109,6 @@ class DataDeadline:
             self.at = min(self.at + count / self.rate, now + self.timeout)
 
 
-def command_argument(keyword: str, arg: str) -> str | None:
-    """What follows ``keyword`` ("FROM:", "TO:") in a MAIL/RCPT argument, or None.
-
-    As aiosmtpd's own (private) helper does: the keyword case-insensitively,
-    the rest stripped.
-    """
-    if arg[: len(keyword)].upper() == keyword:
-        return arg[len(keyword) :].strip()
-    return None
-
-
 def protocol_keyword(*, extended: bool, tls: bool, utf8: bool, auth: bool = False) -> str:
     """The Received "with" keyword (RFC 3848: ESMTPS, ESMTPA, ESMTPSA; RFC 6531 3.7.3)."""
     if not extended:
@@ -126,21 +116,7 @@ def protocol_keyword(*, extended: bool, tls: bool, utf8: bool, auth: bool = Fals
     return ("UTF8SMTP" if utf8 else "ESMTP") + ("S" if tls else "") + ("A" if auth else "")
 
 
-def junk_command(
-    method: Callable[[InboundSMTP, str | None], Awaitable[None]],
-) -> Callable[[InboundSMTP, str | None], Awaitable[None]]:
-    """Count a command that does not advance a transaction (smtpd_junk_command_limit)."""
-
-    @functools.wraps(method)  # keeps aiosmtpd's @syntax attributes (HELP text)
-    async def counted(self: InboundSMTP, arg: str | None) -> None:
-        if self.count_junk():
-            return
-        await method(self, arg)
-
-    return counted
-
-
-class InboundSMTP(AuthCommand, AiosmtpdSession):
+class InboundSMTP(AuthCommand, Commands, AiosmtpdSession):
     """One client connection (aiosmtpd's private members only through AiosmtpdSession)."""
 
     # aiosmtpd sizes its stream reader with this. Commands are still held to
@@ -251,34 +227,12 @@ class InboundSMTP(AuthCommand, AiosmtpdSession):
         log.info("%s: session time limit reached", self.client_ip)
         self.shutdown(policy.SESSION_TOO_LONG)
 
-    def count_junk(self) -> bool:
-        """One more command that moves no message; True (and 421, closed) past the limit."""
-        self.junk_commands += 1
-        limit = self.config.junk_command_limit
-        if limit and self.junk_commands > limit:
-            log.info("%s: more than %d junk commands; closing", self.client_ip, limit)
-            self._goodbye(policy.TOO_MANY_JUNK_COMMANDS)
-            return True
-        return False
-
-    async def bad_command(self, reply: str) -> None:
-        """A malformed MAIL or RCPT: its error reply, but it counts toward the junk
-        command limit like a command that moves no message (421 and closed past it)."""
-        if not self.count_junk():
-            await self.push(reply)
-
     def _goodbye(self, reply: str = policy.SHUTTING_DOWN) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
         self.write_raw(reply.encode() + b"\r\n")
         transport.close()
-
-    # Commands that do not advance a transaction (Postfix counts the same ones).
-    smtp_NOOP = junk_command(SMTP.smtp_NOOP)
-    smtp_RSET = junk_command(SMTP.smtp_RSET)
-    smtp_HELP = junk_command(SMTP.smtp_HELP)
-    smtp_EXPN = junk_command(SMTP.smtp_EXPN)
 
     # --- replies
 
@@ -293,137 +247,7 @@ class InboundSMTP(AuthCommand, AiosmtpdSession):
         self.write_raw(status.encode("utf-8", "replace") + b"\r\n")
         await self.drain_writes()
 
-    async def _push_lines(self, lines: Sequence[str]) -> None:
-        """A reply written as given (HELO/EHLO replies carry no enhanced codes)."""
-        self.write_raw("".join(line + "\r\n" for line in lines).encode("utf-8", "replace"))
-        await self.drain_writes()
-
-    # --- commands
-
-    @junk_command
-    @syntax("HELO hostname")
-    async def smtp_HELO(self, hostname: str | None) -> None:
-        if not hostname:
-            await self._push_lines([policy.HELO_SYNTAX])
-            return
-        self.reset_transaction()
-        assert self.session is not None
-        self.session.extended_smtp = False
-        self.session.host_name = hostname
-        await self._push_lines([f"250 {self.hostname}"])
-
-    @junk_command
-    @syntax("EHLO hostname")
-    async def smtp_EHLO(self, hostname: str | None) -> None:
-        if not hostname:
-            await self._push_lines([policy.EHLO_SYNTAX])
-            return
-        self.reset_transaction()
-        assert self.session is not None
-        self.session.extended_smtp = True
-        self.session.host_name = hostname
-        size = self.config.max_message_size
-        lines = [
-            self.hostname,
-            "PIPELINING",
-            f"SIZE {size}" if size else "SIZE",
-            "8BITMIME",
-            "SMTPUTF8",
-            "ENHANCEDSTATUSCODES",
-            "DSN",
-        ]
-        if self.tls_context and not self.tls_active:  # not offered again inside TLS
-            lines.append("STARTTLS")
-        if self.tls_active:  # never advertised in cleartext (RFC 4954 4; RFC 8314)
-            lines.append("AUTH " + " ".join(AUTH_MECHANISMS))
-        await self._push_lines([f"250-{line}" for line in lines[:-1]] + [f"250 {lines[-1]}"])
-
-    @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
-    async def smtp_MAIL(self, arg: str | None) -> None:
-        if await self.check_helo_needed():
-            return
-        assert self.session is not None
-        envelope = self.envelope
-        assert isinstance(envelope, RelayEnvelope)
-        if envelope.started:
-            await self.push(policy.NESTED_MAIL)
-            return
-        if self.kind == SUBMISSION and not self.tls_active:
-            await self.push(policy.STARTTLS_FIRST)
-            return
-        if self.kind != SMTP_LISTENER and self.grant is None:
-            await self.push(policy.AUTH_REQUIRED)  # RFC 6409 4.1: submission needs AUTH
-            return
-        rest = command_argument("FROM:", arg or "")
-        if rest is None:
-            await self.bad_command(policy.MAIL_SYNTAX)
-            return
-        try:
-            sender, params = policy.parse_mail(
-                rest, extended=self.session.extended_smtp, max_size=self.config.max_message_size
-            )
-        except policy.Refused as refused:
-            await self.bad_command(refused.reply)
-            return
-        if self.grant is not None:
-            refusal = await self._account_refusal(self.grant, sender.address if sender else "")
-            if refusal is not None:
-                await self.push(refusal)
-                return
-        monitor = self.server.monitor
-        if monitor is not None:
-            decision = monitor.mail_from_decision(self.may_relay)
-            if decision.refuse_reply is not None:
-                log.debug("back pressure: refused MAIL FROM of %s", self.client_ip)
-                await self.push(decision.refuse_reply)
-                return
-            if decision.delay_seconds > 0:
-                # Tarpit: only this session waits; aiosmtpd cancels the sleep
-                # if the client goes away, and stop() says 421 meanwhile.
-                await asyncio.sleep(decision.delay_seconds)
-                self.restart_idle_timer()
-        envelope.started = True
-        envelope.mail_from = sender.address if sender else ""
-        envelope.params = params
-        envelope.smtp_utf8 = params.smtputf8
-        await self.push(policy.SENDER_OK)
-
-    @syntax("RCPT TO: <address>", extended=" [SP <mail-parameters>]")
-    async def smtp_RCPT(self, arg: str | None) -> None:
-        if await self.check_helo_needed():
-            return
-        assert self.session is not None
-        envelope = self.envelope
-        assert isinstance(envelope, RelayEnvelope)
-        if not envelope.started:
-            await self.push(policy.NEED_MAIL)
-            return
-        rest = command_argument("TO:", arg or "")
-        if rest is None:
-            await self.bad_command(policy.RCPT_SYNTAX)
-            return
-        try:
-            recipient, params = policy.parse_rcpt(
-                rest, extended=self.session.extended_smtp, utf8=envelope.params.smtputf8
-            )
-        except policy.Refused as refused:
-            await self.bad_command(refused.reply)
-            return
-        refusal = policy.recipient_refusal(
-            recipient, trusted=self.may_relay, accepted_domains=self.config.accepted_domains
-        )
-        if refusal is not None:
-            log.info("refused <%s> from %s: %s", recipient.address, self.client_ip, refusal)
-            await self.push(refusal)
-            return
-        if len(envelope.recipients) >= self.config.max_recipients:
-            await self.push(policy.TOO_MANY_RECIPIENTS)
-            return
-        envelope.recipients.append(
-            IncomingRecipient(recipient.address, orcpt=params.orcpt, notify=params.notify)
-        )
-        envelope.rcpt_tos.append(recipient.address)
-        await self.push(policy.RECIPIENT_OK)
+    # --- DATA (the commands before it: ``commands.Commands``; AUTH: ``auth.AuthCommand``)
 
     @syntax("DATA")
     async def smtp_DATA(self, arg: str | None) -> None:
@@ -530,27 +354,3 @@ class InboundSMTP(AuthCommand, AiosmtpdSession):
             return
         log.info("%s: DATA too slow or idle; closing", self.client_ip)
         self._goodbye(policy.DATA_TOO_SLOW)
-
-    async def _account_refusal(self, grant: accounts.Grant, address: str) -> str | None:
-        """The reply refusing an authenticated MAIL FROM, or None: its sender, its rate."""
-        if not grant.may_send_as(address):
-            log.info("%s: account %s may not send as <%s>", self.client_ip, grant.username, address)
-            return policy.SENDER_NOT_ALLOWED.format(address=address, username=grant.username)
-        if grant.max_messages_per_hour:
-            try:
-                limited = await self.server.in_database(accounts.rate_limited, grant)
-            except Exception:
-                log.exception("could not check the rate of account %s", grant.username)
-                return policy.INTERNAL_ERROR
-            if limited:
-                log.info("%s: account %s over its rate", self.client_ip, grant.username)
-                return policy.ACCOUNT_RATE_LIMITED.format(
-                    username=grant.username, limit=grant.max_messages_per_hour
-                )
-        return None
-
-    @junk_command
-    @syntax("VRFY <address>")
-    async def smtp_VRFY(self, arg: str | None) -> None:
-        # Answer without looking anything up: a relay has no mailboxes to verify.
-        await self.push(policy.CANNOT_VRFY if arg else policy.VRFY_SYNTAX)
