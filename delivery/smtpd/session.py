@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -28,7 +29,8 @@ from delivery.smtpd.auth import AuthCommand
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.commands import Commands
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSIONS, InboundConfig
-from queues.accept import IncomingRecipient
+from queues.accept import IncomingRecipient, printable
+from queues.lib import author_addresses, header_end, header_shape_refusal
 from queues.services import accounts
 
 if TYPE_CHECKING:
@@ -107,6 +109,104 @@ class DataDeadline:
             self.at = now + self.timeout
         else:
             self.at = min(self.at + count / self.rate, now + self.timeout)
+
+
+# --- the message data, before it is stored (the handler's checks: server.RelayHandler)
+
+MAX_RECEIVED_HEADERS = 100  # more is a routing loop (RFC 5321 6.3)
+_RECEIVED = re.compile(rb"^received[ \t]*:", re.IGNORECASE | re.MULTILINE)
+
+
+def has_bare_line_ending(data: bytes | bytearray) -> bool:
+    """Any CR or LF that is not part of a CRLF pair (SMTP smuggling, CVE-2023-51764)."""
+    crlf = data.count(b"\r\n")
+    return data.count(b"\r") != crlf or data.count(b"\n") != crlf
+
+
+def received_count(data: bytes | bytearray) -> int:
+    # Cheaper than queues.lib.inspect_headers, which message_accept runs anyway;
+    # counted in place (no copy of the header block, which may be the whole message).
+    return sum(1 for _ in _RECEIVED.finditer(data, 0, header_end(data)))
+
+
+def header_limit_refusal(data: bytes | bytearray, max_fields: int, max_size: int) -> str | None:
+    """552 5.3.4 for a header of more fields, or a longer field, than configured:
+    what every later step (parsing, DKIM signing) costs is bounded by them."""
+    excess = header_shape_refusal(data, max_fields, max_size)
+    if excess is None:
+        return None
+    kind, limit = excess
+    reply = policy.TOO_MANY_HEADER_FIELDS if kind == "fields" else policy.HEADER_FIELD_TOO_LONG
+    return reply.format(limit=limit)
+
+
+def header_sender_refusal(grant: accounts.Grant, data: bytes | bytearray) -> str | None:
+    """550 5.7.1 when a From or Sender address of the header is not one the
+    account may use (as MAIL FROM is checked): signed, it would pass DKIM and
+    DMARC as that address's domain. None when every one is allowed."""
+    for field, address in author_addresses(data):
+        if not grant.may_send_as(address):
+            return policy.HEADER_SENDER_NOT_ALLOWED.format(
+                address=printable(address)[:300], field=field, username=grant.username
+            )
+    return None
+
+
+# --- enhanced status codes (RFC 3463) for the replies ``policy`` does not name
+#
+# ENHANCEDSTATUSCODES is advertised: ``InboundSMTP.push`` gives every reply after
+# the greeting a code; aiosmtpd's own replies get theirs here.
+
+# aiosmtpd's own replies whose class default is not the best code
+_BUILTIN = {
+    "502 EXPN not implemented": policy.EXPN_DISABLED,
+}
+
+# By reply code, the closest RFC 3463 code; the class default otherwise.
+_BY_CODE = {
+    "214": "2.0.0",
+    "220": "2.0.0",  # STARTTLS "Ready to start TLS" (the greeting is never enhanced)
+    "221": "2.0.0",
+    "235": "2.7.0",
+    "250": "2.0.0",
+    "252": "2.0.0",
+    "421": "4.3.2",
+    "450": "4.2.0",
+    "451": "4.3.0",
+    "452": "4.3.1",
+    "454": "4.7.0",
+    "500": "5.5.2",
+    "501": "5.5.4",
+    "502": "5.5.1",
+    "503": "5.5.1",
+    "504": "5.5.4",
+    "530": "5.7.0",
+    "535": "5.7.8",
+    "538": "5.7.11",
+    "550": "5.0.0",
+    "552": "5.3.4",
+    "553": "5.1.3",
+    "554": "5.0.0",
+    "555": "5.5.4",
+}
+_CLASS_DEFAULT = {"2": "2.0.0", "3": "", "4": "4.0.0", "5": "5.0.0"}
+_HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}(?: |$)")
+
+
+def enhance(reply: str) -> str:
+    """Give a reply an enhanced status code if it lacks one (1xx/3xx are left alone)."""
+    known = _BUILTIN.get(reply)
+    if known is not None:
+        return known
+    if _HAS_ENHANCED.match(reply) or len(reply) < 3 or not reply[:3].isdigit():
+        return reply
+    code = reply[:3]
+    enhanced = _BY_CODE.get(code) or _CLASS_DEFAULT.get(code[0], "")
+    if not enhanced:
+        return reply
+    sep = reply[3:4] or " "
+    text = reply[4:]
+    return f"{code}{sep}{enhanced} {text}" if text else f"{code}{sep}{enhanced}"
 
 
 def protocol_keyword(*, extended: bool, tls: bool, utf8: bool, auth: bool = False) -> str:
@@ -240,7 +340,7 @@ class InboundSMTP(AuthCommand, Commands, AiosmtpdSession):
         if isinstance(status, bytes):
             status = status.decode("utf-8", "replace")
         if self._greeted:
-            status = policy.enhance(status)
+            status = enhance(status)
         else:
             self._greeted = True  # the greeting carries no enhanced code
         # Replies may echo client text; never fail on undecodable bytes.
