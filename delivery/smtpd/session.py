@@ -4,12 +4,18 @@ It speaks the protocol: the connection's life cycle, the replies, and DATA
 with its deadline, here; the commands before DATA (HELO/EHLO, MAIL, RCPT,
 the junk-command budget) are ``commands.Commands`` and AUTH is
 ``auth.AuthCommand``, two of its bases. It reaches aiosmtpd's private
-members only through ``aiosmtpd_adapter.AiosmtpdSession``. What it decides
-comes from ``policy`` (paths, parameters, relay) and from the server it
-belongs to (``SessionHost``: connection counting, back pressure, the
+members only through the aiosmtpd adapter, ``AiosmtpdSession`` (below: a
+class wall; ``aiosmtpd_members`` lists the private members it relies on,
+checked against the installed aiosmtpd). What it decides comes from
+``policy`` (paths, parameters, relay; every reply named) and from the server
+it belongs to (``SessionHost``: connection counting, back pressure, the
 database threads); what happens to a message once its data is in is the
-handler's (``server.RelayHandler``). It reads no settings: only its frozen
-``InboundConfig``.
+handler's (``server.RelayHandler``), with the checks of the data here. It
+reads no settings: only its frozen ``InboundConfig``.
+
+In the order of the file: the adapter; the envelope and the DATA reader's
+helpers (dot-unstuffing, the deadline); the checks of the message data; the
+enhanced status codes of the replies; ``InboundSMTP``.
 """
 
 from __future__ import annotations
@@ -17,14 +23,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
+import ssl
 from collections import defaultdict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from aiosmtpd.smtp import Envelope, syntax
+from aiosmtpd import _get_or_new_eventloop
+from aiosmtpd.smtp import (
+    DATA_SIZE_DEFAULT,
+    SMTP,
+    Envelope,
+    _AuthMechAttr,
+    login_always_fail,
+    syntax,
+)
+from aiosmtpd.smtp import __ident__ as _AIOSMTPD_IDENT
 
-from delivery.smtpd import policy
-from delivery.smtpd.aiosmtpd_adapter import AiosmtpdSession
+from delivery.smtpd import aiosmtpd_members, policy
 from delivery.smtpd.auth import AuthCommand
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.commands import Commands
@@ -60,6 +76,217 @@ class SessionHost(Protocol):
     def session_ended(self, session: InboundSMTP) -> None: ...
 
     async def in_database(self, function: Callable[..., object], *args, **kwargs) -> object: ...
+
+
+# --- the aiosmtpd adapter: the one place that touches aiosmtpd's private members
+
+
+# The options ``AiosmtpdSession.__init__`` sets up itself; any other option
+# (AUTH callbacks, call limits, PROXY protocol) goes through aiosmtpd's own __init__.
+FAST_INIT_OPTIONS = frozenset(
+    {
+        "data_size_limit",
+        "enable_SMTPUTF8",
+        "decode_data",
+        "hostname",
+        "ident",
+        "tls_context",
+        "timeout",
+        "loop",
+    }
+)
+
+
+class _BoundOnUse(Mapping[str, Any]):
+    """``{"MAIL": session.smtp_MAIL, …}`` as aiosmtpd builds it, bound when looked up
+    (a session uses a handful of its ~15 commands; binding them all cost more)."""
+
+    __slots__ = ("_names", "_obj")
+
+    def __init__(self, obj: object, names: dict[str, str]) -> None:
+        self._obj = obj
+        self._names = names
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self._obj, self._names[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class AiosmtpdSession(SMTP):
+    """aiosmtpd's SMTP protocol with its private members behind named methods.
+
+    The one place that touches aiosmtpd's private members (the wall stays a
+    class: ``InboundSMTP`` and its bases use only these methods and the public
+    API). aiosmtpd 1.4's public API (``push``, ``check_helo_needed``,
+    ``session``, ``envelope``, ``transport``, ``smtp_*`` with ``@syntax``, the
+    handler hooks) does not cover what the relay needs: reading DATA in blocks
+    from the connection's reader, writing a reply without aiosmtpd's own
+    ``push`` (enhanced status codes, a 421 just before closing), moving the
+    idle timer to the DATA deadline, knowing that ``connection_made`` is the
+    STARTTLS layer's, calling the DATA hook after our own DATA reader, refusing
+    a connection without a greeting. ``aiosmtpd_members.RELIED_ON`` lists every
+    private member used here; ``tests/test_aiosmtpd_adapter.py`` checks them
+    against the installed aiosmtpd.
+
+    Subclasses override the hooks (``envelope_class``, ``serves_client``,
+    ``before_idle_close``) instead of aiosmtpd's private methods.
+
+    ``__init__`` sets the same attributes as aiosmtpd's, but without its
+    per-connection ``dir()``/``inspect.getmembers()`` scans of the protocol
+    and the handler (a quarter of the ingress's CPU per message): the names
+    are found once per class (``aiosmtpd_members.scan``) and only bound per connection. The
+    handler's ``handle_*``/``auth_*`` hooks are therefore looked up on its
+    class (``dir`` of the instance, once per handler class), and the
+    "Available AUTH mechanisms" line aiosmtpd logs per connection is not
+    logged. ``tests/test_aiosmtpd_adapter.py`` compares the attributes with
+    those aiosmtpd's own __init__ sets.
+    """
+
+    # What a new transaction's envelope is (aiosmtpd builds it after RSET, HELO/EHLO, DATA).
+    envelope_class: type[Envelope] = Envelope
+
+    def __init__(self, handler: Any, **options: Any) -> None:
+        tls_context = options.get("tls_context")
+        if not FAST_INIT_OPTIONS.issuperset(options) or (
+            tls_context is not None
+            and (
+                tls_context.verify_mode not in {ssl.CERT_NONE, ssl.CERT_OPTIONAL}
+                or tls_context.check_hostname
+            )
+        ):
+            # Options set up by aiosmtpd alone, or a context it warns about: its own path.
+            super().__init__(handler, **options)
+            return
+        self.__ident__ = options.get("ident") or _AIOSMTPD_IDENT
+        self.loop = loop = options.get("loop") or _get_or_new_eventloop()
+        asyncio.StreamReaderProtocol.__init__(
+            self,
+            asyncio.StreamReader(loop=loop, limit=self.line_length_limit),
+            client_connected_cb=self._cb_client_connected,
+            loop=loop,
+        )
+        self.event_handler = handler
+        data_size_limit = options.get("data_size_limit", DATA_SIZE_DEFAULT)
+        assert data_size_limit is None or isinstance(data_size_limit, int)
+        self.data_size_limit = data_size_limit
+        self.enable_SMTPUTF8 = options.get("enable_SMTPUTF8", False)
+        self._decode_data = options.get("decode_data", False)
+        self.command_size_limits.clear()
+        self.hostname = options.get("hostname") or socket.getfqdn()
+        self.tls_context = tls_context
+        self.require_starttls = tls_context and False  # as aiosmtpd: None or False
+        self._timeout_duration = options.get("timeout", 300)
+        self._timeout_handle = None
+        self._tls_handshake_okay = True
+        self._tls_protocol = None
+        self._original_transport = None
+        self.session = None
+        self.envelope = None
+        self.transport = None
+        self._handler_coroutine = None
+        self._auth_require_tls = True
+        self._proxy_timeout = None
+        self._auth_callback = login_always_fail
+        self._authenticator = None
+        self._auth_required = False
+        scan = aiosmtpd_members.scan(type(self), handler)
+        auth: dict[str, _AuthMechAttr] = {}
+        for obj, names in ((self, scan.auth_methods), (handler, scan.handler_auth)):
+            for name in names:
+                method = getattr(obj, name)
+                mechanism = getattr(
+                    method, "__auth_mechanism_name__", name.replace("auth_", "").replace("__", "-")
+                )
+                auth[mechanism] = _AuthMechAttr(method, obj is self)
+        self._auth_methods = auth
+        self._handle_hooks = {
+            name.replace("handle_", ""): getattr(handler, name) for name in scan.handle_hooks
+        }
+        self._ehlo_hook_ver = scan.ehlo_hook_ver
+        self._smtp_methods = _BoundOnUse(self, scan.smtp_methods)
+        self._enforce_call_limit = False
+
+    # --- hooks for subclasses
+
+    def serves_client(self) -> bool:
+        """False: run no command loop (and send no greeting) on this connection."""
+        return True
+
+    def before_idle_close(self) -> None:
+        """Called when the idle timer fires, just before aiosmtpd closes the connection."""
+
+    # --- the connection
+
+    @property
+    def starttls_begun(self) -> bool:
+        """STARTTLS ran: ``connection_made`` is now the TLS layer's, not a new client's."""
+        return self._original_transport is not None
+
+    @property
+    def reader(self) -> asyncio.StreamReader:
+        """The connection's reader (aiosmtpd reads commands from it line by line)."""
+        return self._reader
+
+    def buffered_bytes(self) -> int:
+        """Bytes received and waiting in the reader, not yet returned by a read."""
+        return len(self._reader._buffer)  # type: ignore[attr-defined]
+
+    def write_raw(self, data: bytes) -> None:
+        """Queue bytes for the client as they are (aiosmtpd's ``push`` adds its own encoding)."""
+        self._writer.write(data)
+
+    async def drain_writes(self) -> None:
+        """Wait until the socket takes what was written (flow control)."""
+        await self._writer.drain()
+
+    # --- the transaction
+
+    def reset_transaction(self) -> None:
+        """Start over with a new envelope, as RSET does (aiosmtpd's RSET state)."""
+        self._set_rset_state()
+
+    def end_transaction(self) -> None:
+        """A new envelope after DATA (aiosmtpd's post-DATA state); the old one is dropped."""
+        self._set_post_data_state()
+
+    async def run_data_hook(self) -> Any:
+        """The handler's ``handle_DATA`` for the current envelope; its reply."""
+        return await self._call_handler_hook("DATA")
+
+    # --- the idle timer (aiosmtpd's ``timeout``)
+
+    def restart_idle_timer(self) -> None:
+        """The idle timeout counts again from now."""
+        self._reset_timeout()
+
+    def move_idle_timer(self, when: float, callback: Callable[[], None]) -> None:
+        """Replace the idle timer by ``callback`` at loop time ``when``.
+
+        It takes the idle timer's place, so ``connection_lost`` cancels it and
+        ``restart_idle_timer`` puts the idle timeout back.
+        """
+        if self._timeout_handle is not None:
+            self._timeout_handle.cancel()
+        self._timeout_handle = self.loop.call_at(when, callback)
+
+    # --- aiosmtpd's private hooks, overridden here only
+
+    def _create_envelope(self) -> Envelope:
+        return self.envelope_class()
+
+    async def _handle_client(self) -> None:
+        if not self.serves_client():
+            return
+        await super()._handle_client()
+
+    def _timeout_cb(self) -> None:
+        self.before_idle_close()
+        super()._timeout_cb()
 
 
 class RelayEnvelope(Envelope):
