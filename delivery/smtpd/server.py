@@ -8,7 +8,8 @@ Each connection is a ``session.InboundSMTP`` (the protocol, behind the
 aiosmtpd adapter), which asks ``policy`` what to accept; the DATA work lives
 in ``RelayHandler`` here. Settings are read once, into ``config.InboundConfig``.
 
-Hot path per message: the header checked against its limits, the message
+Hot path per message: the data checked (``session``'s checks: bare line
+endings, the header's limits, hops, an account's header sender), the message
 prepared (ids, headers, DKIM signature: ``prepare_message``) in a database
 thread, then handed to the group committer (``GroupCommitter``, below:
 the messages of every session waiting at that moment in one statement and one

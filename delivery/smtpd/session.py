@@ -15,7 +15,8 @@ reads no settings: only its frozen ``InboundConfig``.
 
 In the order of the file: the adapter; the envelope and the DATA reader's
 helpers (dot-unstuffing, the deadline); the checks of the message data; the
-enhanced status codes of the replies; ``InboundSMTP``.
+enhanced status codes of the replies; the Received header's "with" keyword
+(``protocol_keyword``); ``InboundSMTP``.
 """
 
 from __future__ import annotations
@@ -139,9 +140,9 @@ class AiosmtpdSession(SMTP):
     ``__init__`` sets the same attributes as aiosmtpd's, but without its
     per-connection ``dir()``/``inspect.getmembers()`` scans of the protocol
     and the handler (a quarter of the ingress's CPU per message): the names
-    are found once per class (``aiosmtpd_members.scan``) and only bound per connection. The
-    handler's ``handle_*``/``auth_*`` hooks are therefore looked up on its
-    class (``dir`` of the instance, once per handler class), and the
+    are found once per class (``aiosmtpd_members.scan``) and only bound per
+    connection. The handler's ``handle_*``/``auth_*`` hooks are therefore
+    looked up on its class (``dir`` of the instance, once per handler class), and the
     "Available AUTH mechanisms" line aiosmtpd logs per connection is not
     logged. ``tests/test_aiosmtpd_adapter.py`` compares the attributes with
     those aiosmtpd's own __init__ sets.
