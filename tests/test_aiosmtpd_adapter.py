@@ -1,11 +1,12 @@
 """The aiosmtpd adapter against the installed aiosmtpd.
 
-``AiosmtpdSession`` is the one place that uses aiosmtpd's private members
-(``RELIED_ON``). An aiosmtpd release may rename or reshape any of them
-without notice: these tests fail by the member's name when one is gone or
-has changed kind, when the installed version leaves the range the adapter
-was written for, and when a member no longer does what the adapter's method
-says (each method is driven on a real loopback connection).
+``AiosmtpdSession`` (in ``delivery.smtpd.session``) is the one place that
+uses aiosmtpd's private members (``aiosmtpd_members.RELIED_ON``). An aiosmtpd
+release may rename or reshape any of them without notice: these tests fail
+by the member's name when one is gone or has changed kind, when the
+installed version leaves the range the adapter was written for, and when a
+member no longer does what the adapter's method says (each method is driven
+on a real loopback connection).
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from typing import Any
 import pytest
 from aiosmtpd.smtp import SMTP, Envelope
 
-from delivery.smtpd.aiosmtpd_adapter import (
+from delivery.smtpd.aiosmtpd_members import (
     RELIED_ON,
     SUPPORTED_VERSIONS,
-    AiosmtpdSession,
     Kind,
     Member,
     installed_version,
 )
+from delivery.smtpd.session import AiosmtpdSession
 
 # What each attribute holds on a freshly connected session (no STARTTLS yet).
 ATTRIBUTE_TYPES: dict[str, type] = {

@@ -8,6 +8,7 @@ import pytest
 
 from delivery.smtpd import policy
 from delivery.smtpd.policy import Mailbox, Refused
+from delivery.smtpd.session import enhance
 
 ACCEPTED = frozenset({"relay.test"})
 NETWORKS = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("2001:db8::/32"))
@@ -266,7 +267,7 @@ def test_it_trusts_only_clients_in_the_relay_networks(host, trusted):
     ],
 )
 def test_it_gives_aiosmtpd_replies_an_enhanced_code(reply, enhanced):
-    assert policy.enhance(reply) == enhanced
+    assert enhance(reply) == enhanced
 
 
 def test_every_named_reply_carries_an_enhanced_code():
@@ -274,4 +275,4 @@ def test_every_named_reply_carries_an_enhanced_code():
     for name in dir(policy):
         value = getattr(policy, name)
         if name.isupper() and isinstance(value, str) and name not in exempt:
-            assert policy.enhance(value) == value, name
+            assert enhance(value) == value, name

@@ -18,10 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from delivery.smtpd.auth import plain_credentials
 from delivery.smtpd.authlimit import AuthFailures
 from delivery.smtpd.config import TlsCertificate
 from delivery.smtpd.server import InboundServer
-from delivery.smtpd.session import plain_credentials, protocol_keyword
+from delivery.smtpd.session import protocol_keyword
 from queues.models import Event, Message
 from queues.services import accounts
 from tests.support import processes

@@ -29,7 +29,6 @@ from queues.addresses import (  # noqa: F401 - BadDomain, domain_key: policy's n
     domain_key,
     parse_mailbox,
 )
-from queues.lib import header_end, header_shape_refusal
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -49,8 +48,6 @@ _UTF8_ADDR_UNICODE = re.compile(
 )
 _ADDR_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\Z")
 _NOTIFY_VALUES = ("SUCCESS", "FAILURE", "DELAY")
-MAX_RECEIVED_HEADERS = 100  # more is a routing loop (RFC 5321 6.3)
-_RECEIVED = re.compile(rb"^received[ \t]*:", re.IGNORECASE | re.MULTILINE)
 
 # A domain without an IDNA form. RFC 3463: X.1.3 is a bad destination
 # mailbox address syntax; for the sender X.1.7 (bad sender's mailbox address
@@ -202,6 +199,17 @@ def parse_rcpt_params(text: str, *, utf8: bool) -> RcptParams:
 # ------------------------------------------------------------------ the commands
 
 
+def command_argument(keyword: str, arg: str) -> str | None:
+    """What follows ``keyword`` ("FROM:", "TO:") in a MAIL/RCPT argument, or None.
+
+    As aiosmtpd's own (private) helper does: the keyword case-insensitively,
+    the rest stripped.
+    """
+    if arg[: len(keyword)].upper() == keyword:
+        return arg[len(keyword) :].strip()
+    return None
+
+
 def parse_mail(arg: str, *, extended: bool, max_size: int) -> tuple[Mailbox | None, MailParams]:
     """The argument of MAIL after ``FROM:``. ``None`` is the null sender."""
     try:
@@ -308,38 +316,12 @@ def recipient_refusal(
     return RELAY_DENIED
 
 
-# ------------------------------------------- the message data (DATA), before it is stored
-
-
-def has_bare_line_ending(data: bytes | bytearray) -> bool:
-    """Any CR or LF that is not part of a CRLF pair (SMTP smuggling, CVE-2023-51764)."""
-    crlf = data.count(b"\r\n")
-    return data.count(b"\r") != crlf or data.count(b"\n") != crlf
-
-
-def received_count(data: bytes | bytearray) -> int:
-    # Cheaper than queues.lib.inspect_headers, which message_accept runs anyway;
-    # counted in place (no copy of the header block, which may be the whole message).
-    return sum(1 for _ in _RECEIVED.finditer(data, 0, header_end(data)))
-
-
-def header_limit_refusal(data: bytes | bytearray, max_fields: int, max_size: int) -> str | None:
-    """552 5.3.4 for a header of more fields, or a longer field, than configured:
-    what every later step (parsing, DKIM signing) costs is bounded by them."""
-    excess = header_shape_refusal(data, max_fields, max_size)
-    if excess is None:
-        return None
-    kind, limit = excess
-    reply = TOO_MANY_HEADER_FIELDS if kind == "fields" else HEADER_FIELD_TOO_LONG
-    return reply.format(limit=limit)
-
-
 # ----------------------------------------------------------------------------
 # Every reply the inbound SMTP server sends, by name.
 #
 # ENHANCEDSTATUSCODES is advertised, so every reply after the greeting (except
 # the lines of the EHLO/HELO reply and ``354``) carries an RFC 3463 code.
-# Replies aiosmtpd builds itself get one from ``enhance()``.
+# Replies aiosmtpd builds itself get one from ``session.enhance``.
 # ----------------------------------------------------------------------------
 
 
@@ -428,54 +410,3 @@ HEADER_SENDER_NOT_ALLOWED = (
 ACCOUNT_RATE_LIMITED = (
     "451 4.7.1 Account {username} has sent its {limit} messages this hour, try again later"
 )
-
-# aiosmtpd's own replies whose class default is not the best code
-_BUILTIN = {
-    "502 EXPN not implemented": EXPN_DISABLED,
-}
-
-# By reply code, the closest RFC 3463 code; the class default otherwise.
-_BY_CODE = {
-    "214": "2.0.0",
-    "220": "2.0.0",  # STARTTLS "Ready to start TLS" (the greeting is never enhanced)
-    "221": "2.0.0",
-    "235": "2.7.0",
-    "250": "2.0.0",
-    "252": "2.0.0",
-    "421": "4.3.2",
-    "450": "4.2.0",
-    "451": "4.3.0",
-    "452": "4.3.1",
-    "454": "4.7.0",
-    "500": "5.5.2",
-    "501": "5.5.4",
-    "502": "5.5.1",
-    "503": "5.5.1",
-    "504": "5.5.4",
-    "530": "5.7.0",
-    "535": "5.7.8",
-    "538": "5.7.11",
-    "550": "5.0.0",
-    "552": "5.3.4",
-    "553": "5.1.3",
-    "554": "5.0.0",
-    "555": "5.5.4",
-}
-_CLASS_DEFAULT = {"2": "2.0.0", "3": "", "4": "4.0.0", "5": "5.0.0"}
-_HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}(?: |$)")
-
-
-def enhance(reply: str) -> str:
-    """Give a reply an enhanced status code if it lacks one (1xx/3xx are left alone)."""
-    known = _BUILTIN.get(reply)
-    if known is not None:
-        return known
-    if _HAS_ENHANCED.match(reply) or len(reply) < 3 or not reply[:3].isdigit():
-        return reply
-    code = reply[:3]
-    enhanced = _BY_CODE.get(code) or _CLASS_DEFAULT.get(code[0], "")
-    if not enhanced:
-        return reply
-    sep = reply[3:4] or " "
-    text = reply[4:]
-    return f"{code}{sep}{enhanced} {text}" if text else f"{code}{sep}{enhanced}"

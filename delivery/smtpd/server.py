@@ -8,7 +8,8 @@ Each connection is a ``session.InboundSMTP`` (the protocol, behind the
 aiosmtpd adapter), which asks ``policy`` what to accept; the DATA work lives
 in ``RelayHandler`` here. Settings are read once, into ``config.InboundConfig``.
 
-Hot path per message: the header checked against its limits, the message
+Hot path per message: the data checked (``session``'s checks: bare line
+endings, the header's limits, hops, an account's header sender), the message
 prepared (ids, headers, DKIM signature: ``prepare_message``) in a database
 thread, then handed to the group committer (``GroupCommitter``, below:
 the messages of every session waiting at that moment in one statement and one
@@ -61,7 +62,16 @@ from delivery.qmgr.ownership import OUTAGE, first_line, is_unavailable
 from delivery.smtpd import policy
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION, SUBMISSIONS, InboundConfig
-from delivery.smtpd.session import InboundSMTP, RelayEnvelope, protocol_keyword
+from delivery.smtpd.session import (
+    MAX_RECEIVED_HEADERS,
+    InboundSMTP,
+    RelayEnvelope,
+    has_bare_line_ending,
+    header_limit_refusal,
+    header_sender_refusal,
+    protocol_keyword,
+    received_count,
+)
 from queues import counters
 from queues.accept import (
     IncomingEnvelope,
@@ -69,12 +79,9 @@ from queues.accept import (
     prepare_message,
     prepared_accept,
     prepared_accept_many,
-    printable,
 )
 from queues.dberrors import drop_connection
-from queues.lib import author_addresses
 from queues.models import MessageSource
-from queues.services import accounts
 from queues.signals import categorizer_work
 
 if TYPE_CHECKING:
@@ -137,18 +144,6 @@ def _in_thread(call: Callable[[], object]) -> object:
 # ----------------------------------------------------------------- the DATA handler
 
 
-def header_sender_refusal(grant: accounts.Grant, data: bytes | bytearray) -> str | None:
-    """550 5.7.1 when a From or Sender address of the header is not one the
-    account may use (as MAIL FROM is checked): signed, it would pass DKIM and
-    DMARC as that address's domain. None when every one is allowed."""
-    for field, address in author_addresses(data):
-        if not grant.may_send_as(address):
-            return policy.HEADER_SENDER_NOT_ALLOWED.format(
-                address=printable(address)[:300], field=field, username=grant.username
-            )
-    return None
-
-
 class RelayHandler:
     """The aiosmtpd handler: what happens to a message once its data is in."""
 
@@ -159,15 +154,15 @@ class RelayHandler:
         assert isinstance(envelope, RelayEnvelope)
         data = envelope.original_content or b""
         try:
-            if policy.has_bare_line_ending(data):
+            if has_bare_line_ending(data):
                 log.warning("rejected message with bare CR/LF from %s", smtp.client_ip)
                 return policy.BARE_LINE_ENDING
-            if refusal := policy.header_limit_refusal(
+            if refusal := header_limit_refusal(
                 data, smtp.config.max_header_fields, smtp.config.max_header_size
             ):
                 log.info("%s: %s", smtp.client_ip, refusal)
                 return refusal
-            if policy.received_count(data) > policy.MAX_RECEIVED_HEADERS:
+            if received_count(data) > MAX_RECEIVED_HEADERS:
                 return policy.TOO_MANY_HOPS
             if smtp.grant is not None and (refusal := header_sender_refusal(smtp.grant, data)):
                 log.info("%s: %s", smtp.client_ip, refusal)

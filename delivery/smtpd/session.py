@@ -1,33 +1,53 @@
 """The inbound SMTP protocol: one ``InboundSMTP`` per client connection.
 
-It speaks the protocol (HELO/EHLO, MAIL, RCPT, DATA, AUTH, the junk-command
-budget, the DATA deadline) and reaches aiosmtpd's private members only
-through ``aiosmtpd_adapter.AiosmtpdSession``. What it decides comes from
-``policy`` (paths, parameters, relay) and from the server it belongs to
-(``SessionHost``: connection counting, back pressure, the database threads);
-what happens to a message once its data is in is the handler's
-(``server.RelayHandler``). It reads no settings: only its frozen
-``InboundConfig``.
+It speaks the protocol: the connection's life cycle, the replies, and DATA
+with its deadline, here; the commands before DATA (HELO/EHLO, MAIL, RCPT,
+the junk-command budget) are ``commands.Commands`` and AUTH is
+``auth.AuthCommand``, two of its bases. It reaches aiosmtpd's private
+members only through the aiosmtpd adapter, ``AiosmtpdSession`` (below: a
+class wall; ``aiosmtpd_members`` lists the private members it relies on,
+checked against the installed aiosmtpd). What it decides comes from
+``policy`` (paths, parameters, relay; every reply named) and from the server
+it belongs to (``SessionHost``: connection counting, back pressure, the
+database threads); what happens to a message once its data is in is the
+handler's (``server.RelayHandler``), with the checks of the data here. It
+reads no settings: only its frozen ``InboundConfig``.
+
+In the order of the file: the adapter; the envelope and the DATA reader's
+helpers (dot-unstuffing, the deadline); the checks of the message data; the
+enhanced status codes of the replies; the Received header's "with" keyword
+(``protocol_keyword``); ``InboundSMTP``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import functools
 import logging
+import re
+import socket
+import ssl
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from aiosmtpd.smtp import SMTP, Envelope, syntax
+from aiosmtpd import _get_or_new_eventloop
+from aiosmtpd.smtp import (
+    DATA_SIZE_DEFAULT,
+    SMTP,
+    Envelope,
+    _AuthMechAttr,
+    login_always_fail,
+    syntax,
+)
+from aiosmtpd.smtp import __ident__ as _AIOSMTPD_IDENT
 
-from delivery.smtpd import authlimit, policy
-from delivery.smtpd.aiosmtpd_adapter import AiosmtpdSession
+from delivery.smtpd import aiosmtpd_members, policy
+from delivery.smtpd.auth import AuthCommand
 from delivery.smtpd.authlimit import AuthLimiter
-from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION, SUBMISSIONS, InboundConfig
-from queues.accept import IncomingRecipient
+from delivery.smtpd.commands import Commands
+from delivery.smtpd.config import SMTP_LISTENER, SUBMISSIONS, InboundConfig
+from queues.accept import IncomingRecipient, printable
+from queues.lib import author_addresses, header_end, header_shape_refusal
 from queues.services import accounts
 
 if TYPE_CHECKING:
@@ -39,7 +59,6 @@ COMMAND_LINE_LIMIT = 512  # RFC 5321 4.5.3.1.4
 # MAIL/RCPT lines grow with their parameters: ORCPT alone may be 500 characters
 # (RFC 3461 4.2), ENVID 100; aiosmtpd's line reader caps every line at 1001.
 PARAMETER_LINE_LIMIT = 1000
-AUTH_MECHANISMS = ("PLAIN", "LOGIN")
 
 
 class SessionHost(Protocol):
@@ -58,6 +77,217 @@ class SessionHost(Protocol):
     def session_ended(self, session: InboundSMTP) -> None: ...
 
     async def in_database(self, function: Callable[..., object], *args, **kwargs) -> object: ...
+
+
+# --- the aiosmtpd adapter: the one place that touches aiosmtpd's private members
+
+
+# The options ``AiosmtpdSession.__init__`` sets up itself; any other option
+# (AUTH callbacks, call limits, PROXY protocol) goes through aiosmtpd's own __init__.
+FAST_INIT_OPTIONS = frozenset(
+    {
+        "data_size_limit",
+        "enable_SMTPUTF8",
+        "decode_data",
+        "hostname",
+        "ident",
+        "tls_context",
+        "timeout",
+        "loop",
+    }
+)
+
+
+class _BoundOnUse(Mapping[str, Any]):
+    """``{"MAIL": session.smtp_MAIL, …}`` as aiosmtpd builds it, bound when looked up
+    (a session uses a handful of its ~15 commands; binding them all cost more)."""
+
+    __slots__ = ("_names", "_obj")
+
+    def __init__(self, obj: object, names: dict[str, str]) -> None:
+        self._obj = obj
+        self._names = names
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self._obj, self._names[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class AiosmtpdSession(SMTP):
+    """aiosmtpd's SMTP protocol with its private members behind named methods.
+
+    The one place that touches aiosmtpd's private members (the wall stays a
+    class: ``InboundSMTP`` and its bases use only these methods and the public
+    API). aiosmtpd 1.4's public API (``push``, ``check_helo_needed``,
+    ``session``, ``envelope``, ``transport``, ``smtp_*`` with ``@syntax``, the
+    handler hooks) does not cover what the relay needs: reading DATA in blocks
+    from the connection's reader, writing a reply without aiosmtpd's own
+    ``push`` (enhanced status codes, a 421 just before closing), moving the
+    idle timer to the DATA deadline, knowing that ``connection_made`` is the
+    STARTTLS layer's, calling the DATA hook after our own DATA reader, refusing
+    a connection without a greeting. ``aiosmtpd_members.RELIED_ON`` lists every
+    private member used here; ``tests/test_aiosmtpd_adapter.py`` checks them
+    against the installed aiosmtpd.
+
+    Subclasses override the hooks (``envelope_class``, ``serves_client``,
+    ``before_idle_close``) instead of aiosmtpd's private methods.
+
+    ``__init__`` sets the same attributes as aiosmtpd's, but without its
+    per-connection ``dir()``/``inspect.getmembers()`` scans of the protocol
+    and the handler (a quarter of the ingress's CPU per message): the names
+    are found once per class (``aiosmtpd_members.scan``) and only bound per
+    connection. The handler's ``handle_*``/``auth_*`` hooks are therefore
+    looked up on its class (``dir`` of the instance, once per handler class), and the
+    "Available AUTH mechanisms" line aiosmtpd logs per connection is not
+    logged. ``tests/test_aiosmtpd_adapter.py`` compares the attributes with
+    those aiosmtpd's own __init__ sets.
+    """
+
+    # What a new transaction's envelope is (aiosmtpd builds it after RSET, HELO/EHLO, DATA).
+    envelope_class: type[Envelope] = Envelope
+
+    def __init__(self, handler: Any, **options: Any) -> None:
+        tls_context = options.get("tls_context")
+        if not FAST_INIT_OPTIONS.issuperset(options) or (
+            tls_context is not None
+            and (
+                tls_context.verify_mode not in {ssl.CERT_NONE, ssl.CERT_OPTIONAL}
+                or tls_context.check_hostname
+            )
+        ):
+            # Options set up by aiosmtpd alone, or a context it warns about: its own path.
+            super().__init__(handler, **options)
+            return
+        self.__ident__ = options.get("ident") or _AIOSMTPD_IDENT
+        self.loop = loop = options.get("loop") or _get_or_new_eventloop()
+        asyncio.StreamReaderProtocol.__init__(
+            self,
+            asyncio.StreamReader(loop=loop, limit=self.line_length_limit),
+            client_connected_cb=self._cb_client_connected,
+            loop=loop,
+        )
+        self.event_handler = handler
+        data_size_limit = options.get("data_size_limit", DATA_SIZE_DEFAULT)
+        assert data_size_limit is None or isinstance(data_size_limit, int)
+        self.data_size_limit = data_size_limit
+        self.enable_SMTPUTF8 = options.get("enable_SMTPUTF8", False)
+        self._decode_data = options.get("decode_data", False)
+        self.command_size_limits.clear()
+        self.hostname = options.get("hostname") or socket.getfqdn()
+        self.tls_context = tls_context
+        self.require_starttls = tls_context and False  # as aiosmtpd: None or False
+        self._timeout_duration = options.get("timeout", 300)
+        self._timeout_handle = None
+        self._tls_handshake_okay = True
+        self._tls_protocol = None
+        self._original_transport = None
+        self.session = None
+        self.envelope = None
+        self.transport = None
+        self._handler_coroutine = None
+        self._auth_require_tls = True
+        self._proxy_timeout = None
+        self._auth_callback = login_always_fail
+        self._authenticator = None
+        self._auth_required = False
+        scan = aiosmtpd_members.scan(type(self), handler)
+        auth: dict[str, _AuthMechAttr] = {}
+        for obj, names in ((self, scan.auth_methods), (handler, scan.handler_auth)):
+            for name in names:
+                method = getattr(obj, name)
+                mechanism = getattr(
+                    method, "__auth_mechanism_name__", name.replace("auth_", "").replace("__", "-")
+                )
+                auth[mechanism] = _AuthMechAttr(method, obj is self)
+        self._auth_methods = auth
+        self._handle_hooks = {
+            name.replace("handle_", ""): getattr(handler, name) for name in scan.handle_hooks
+        }
+        self._ehlo_hook_ver = scan.ehlo_hook_ver
+        self._smtp_methods = _BoundOnUse(self, scan.smtp_methods)
+        self._enforce_call_limit = False
+
+    # --- hooks for subclasses
+
+    def serves_client(self) -> bool:
+        """False: run no command loop (and send no greeting) on this connection."""
+        return True
+
+    def before_idle_close(self) -> None:
+        """Called when the idle timer fires, just before aiosmtpd closes the connection."""
+
+    # --- the connection
+
+    @property
+    def starttls_begun(self) -> bool:
+        """STARTTLS ran: ``connection_made`` is now the TLS layer's, not a new client's."""
+        return self._original_transport is not None
+
+    @property
+    def reader(self) -> asyncio.StreamReader:
+        """The connection's reader (aiosmtpd reads commands from it line by line)."""
+        return self._reader
+
+    def buffered_bytes(self) -> int:
+        """Bytes received and waiting in the reader, not yet returned by a read."""
+        return len(self._reader._buffer)  # type: ignore[attr-defined]
+
+    def write_raw(self, data: bytes) -> None:
+        """Queue bytes for the client as they are (aiosmtpd's ``push`` adds its own encoding)."""
+        self._writer.write(data)
+
+    async def drain_writes(self) -> None:
+        """Wait until the socket takes what was written (flow control)."""
+        await self._writer.drain()
+
+    # --- the transaction
+
+    def reset_transaction(self) -> None:
+        """Start over with a new envelope, as RSET does (aiosmtpd's RSET state)."""
+        self._set_rset_state()
+
+    def end_transaction(self) -> None:
+        """A new envelope after DATA (aiosmtpd's post-DATA state); the old one is dropped."""
+        self._set_post_data_state()
+
+    async def run_data_hook(self) -> Any:
+        """The handler's ``handle_DATA`` for the current envelope; its reply."""
+        return await self._call_handler_hook("DATA")
+
+    # --- the idle timer (aiosmtpd's ``timeout``)
+
+    def restart_idle_timer(self) -> None:
+        """The idle timeout counts again from now."""
+        self._reset_timeout()
+
+    def move_idle_timer(self, when: float, callback: Callable[[], None]) -> None:
+        """Replace the idle timer by ``callback`` at loop time ``when``.
+
+        It takes the idle timer's place, so ``connection_lost`` cancels it and
+        ``restart_idle_timer`` puts the idle timeout back.
+        """
+        if self._timeout_handle is not None:
+            self._timeout_handle.cancel()
+        self._timeout_handle = self.loop.call_at(when, callback)
+
+    # --- aiosmtpd's private hooks, overridden here only
+
+    def _create_envelope(self) -> Envelope:
+        return self.envelope_class()
+
+    async def _handle_client(self) -> None:
+        if not self.serves_client():
+            return
+        await super()._handle_client()
+
+    def _timeout_cb(self) -> None:
+        self.before_idle_close()
+        super()._timeout_cb()
 
 
 class RelayEnvelope(Envelope):
@@ -109,15 +339,102 @@ class DataDeadline:
             self.at = min(self.at + count / self.rate, now + self.timeout)
 
 
-def command_argument(keyword: str, arg: str) -> str | None:
-    """What follows ``keyword`` ("FROM:", "TO:") in a MAIL/RCPT argument, or None.
+# --- the message data, before it is stored (the handler's checks: server.RelayHandler)
 
-    As aiosmtpd's own (private) helper does: the keyword case-insensitively,
-    the rest stripped.
-    """
-    if arg[: len(keyword)].upper() == keyword:
-        return arg[len(keyword) :].strip()
+MAX_RECEIVED_HEADERS = 100  # more is a routing loop (RFC 5321 6.3)
+_RECEIVED = re.compile(rb"^received[ \t]*:", re.IGNORECASE | re.MULTILINE)
+
+
+def has_bare_line_ending(data: bytes | bytearray) -> bool:
+    """Any CR or LF that is not part of a CRLF pair (SMTP smuggling, CVE-2023-51764)."""
+    crlf = data.count(b"\r\n")
+    return data.count(b"\r") != crlf or data.count(b"\n") != crlf
+
+
+def received_count(data: bytes | bytearray) -> int:
+    # Cheaper than queues.lib.inspect_headers, which message_accept runs anyway;
+    # counted in place (no copy of the header block, which may be the whole message).
+    return sum(1 for _ in _RECEIVED.finditer(data, 0, header_end(data)))
+
+
+def header_limit_refusal(data: bytes | bytearray, max_fields: int, max_size: int) -> str | None:
+    """552 5.3.4 for a header of more fields, or a longer field, than configured:
+    what every later step (parsing, DKIM signing) costs is bounded by them."""
+    excess = header_shape_refusal(data, max_fields, max_size)
+    if excess is None:
+        return None
+    kind, limit = excess
+    reply = policy.TOO_MANY_HEADER_FIELDS if kind == "fields" else policy.HEADER_FIELD_TOO_LONG
+    return reply.format(limit=limit)
+
+
+def header_sender_refusal(grant: accounts.Grant, data: bytes | bytearray) -> str | None:
+    """550 5.7.1 when a From or Sender address of the header is not one the
+    account may use (as MAIL FROM is checked): signed, it would pass DKIM and
+    DMARC as that address's domain. None when every one is allowed."""
+    for field, address in author_addresses(data):
+        if not grant.may_send_as(address):
+            return policy.HEADER_SENDER_NOT_ALLOWED.format(
+                address=printable(address)[:300], field=field, username=grant.username
+            )
     return None
+
+
+# --- enhanced status codes (RFC 3463) for the replies ``policy`` does not name
+#
+# ENHANCEDSTATUSCODES is advertised: ``InboundSMTP.push`` gives every reply after
+# the greeting a code; aiosmtpd's own replies get theirs here.
+
+# aiosmtpd's own replies whose class default is not the best code
+_BUILTIN = {
+    "502 EXPN not implemented": policy.EXPN_DISABLED,
+}
+
+# By reply code, the closest RFC 3463 code; the class default otherwise.
+_BY_CODE = {
+    "214": "2.0.0",
+    "220": "2.0.0",  # STARTTLS "Ready to start TLS" (the greeting is never enhanced)
+    "221": "2.0.0",
+    "235": "2.7.0",
+    "250": "2.0.0",
+    "252": "2.0.0",
+    "421": "4.3.2",
+    "450": "4.2.0",
+    "451": "4.3.0",
+    "452": "4.3.1",
+    "454": "4.7.0",
+    "500": "5.5.2",
+    "501": "5.5.4",
+    "502": "5.5.1",
+    "503": "5.5.1",
+    "504": "5.5.4",
+    "530": "5.7.0",
+    "535": "5.7.8",
+    "538": "5.7.11",
+    "550": "5.0.0",
+    "552": "5.3.4",
+    "553": "5.1.3",
+    "554": "5.0.0",
+    "555": "5.5.4",
+}
+_CLASS_DEFAULT = {"2": "2.0.0", "3": "", "4": "4.0.0", "5": "5.0.0"}
+_HAS_ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3}(?: |$)")
+
+
+def enhance(reply: str) -> str:
+    """Give a reply an enhanced status code if it lacks one (1xx/3xx are left alone)."""
+    known = _BUILTIN.get(reply)
+    if known is not None:
+        return known
+    if _HAS_ENHANCED.match(reply) or len(reply) < 3 or not reply[:3].isdigit():
+        return reply
+    code = reply[:3]
+    enhanced = _BY_CODE.get(code) or _CLASS_DEFAULT.get(code[0], "")
+    if not enhanced:
+        return reply
+    sep = reply[3:4] or " "
+    text = reply[4:]
+    return f"{code}{sep}{enhanced} {text}" if text else f"{code}{sep}{enhanced}"
 
 
 def protocol_keyword(*, extended: bool, tls: bool, utf8: bool, auth: bool = False) -> str:
@@ -127,47 +444,7 @@ def protocol_keyword(*, extended: bool, tls: bool, utf8: bool, auth: bool = Fals
     return ("UTF8SMTP" if utf8 else "ESMTP") + ("S" if tls else "") + ("A" if auth else "")
 
 
-def decode_base64(text: str) -> bytes | None:
-    """An AUTH response ("=" is the empty one, RFC 4954 4), or None if not base64."""
-    text = text.strip()
-    if text == "=":
-        return b""
-    try:
-        return base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError, ValueError):
-        return None
-
-
-def plain_credentials(response: bytes) -> tuple[str, str] | None:
-    """(username, password) from a PLAIN response (RFC 4616), or None if malformed.
-
-    An authorization identity other than the user's own is refused later (as
-    a wrong password): mailrelay has no proxy authorization.
-    """
-    parts = response.split(b"\x00")
-    if len(parts) != 3:
-        return None
-    authzid, authcid, password = (part.decode("utf-8", "replace") for part in parts)
-    if authzid and authzid != authcid:
-        return authcid, ""  # never matches: no account has an empty password
-    return authcid, password
-
-
-def junk_command(
-    method: Callable[[InboundSMTP, str | None], Awaitable[None]],
-) -> Callable[[InboundSMTP, str | None], Awaitable[None]]:
-    """Count a command that does not advance a transaction (smtpd_junk_command_limit)."""
-
-    @functools.wraps(method)  # keeps aiosmtpd's @syntax attributes (HELP text)
-    async def counted(self: InboundSMTP, arg: str | None) -> None:
-        if self.count_junk():
-            return
-        await method(self, arg)
-
-    return counted
-
-
-class InboundSMTP(AiosmtpdSession):
+class InboundSMTP(AuthCommand, Commands, AiosmtpdSession):
     """One client connection (aiosmtpd's private members only through AiosmtpdSession)."""
 
     # aiosmtpd sizes its stream reader with this. Commands are still held to
@@ -278,22 +555,6 @@ class InboundSMTP(AiosmtpdSession):
         log.info("%s: session time limit reached", self.client_ip)
         self.shutdown(policy.SESSION_TOO_LONG)
 
-    def count_junk(self) -> bool:
-        """One more command that moves no message; True (and 421, closed) past the limit."""
-        self.junk_commands += 1
-        limit = self.config.junk_command_limit
-        if limit and self.junk_commands > limit:
-            log.info("%s: more than %d junk commands; closing", self.client_ip, limit)
-            self._goodbye(policy.TOO_MANY_JUNK_COMMANDS)
-            return True
-        return False
-
-    async def bad_command(self, reply: str) -> None:
-        """A malformed MAIL or RCPT: its error reply, but it counts toward the junk
-        command limit like a command that moves no message (421 and closed past it)."""
-        if not self.count_junk():
-            await self.push(reply)
-
     def _goodbye(self, reply: str = policy.SHUTTING_DOWN) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -301,156 +562,20 @@ class InboundSMTP(AiosmtpdSession):
         self.write_raw(reply.encode() + b"\r\n")
         transport.close()
 
-    # Commands that do not advance a transaction (Postfix counts the same ones).
-    smtp_NOOP = junk_command(SMTP.smtp_NOOP)
-    smtp_RSET = junk_command(SMTP.smtp_RSET)
-    smtp_HELP = junk_command(SMTP.smtp_HELP)
-    smtp_EXPN = junk_command(SMTP.smtp_EXPN)
-
     # --- replies
 
     async def push(self, status: str | bytes) -> None:
         if isinstance(status, bytes):
             status = status.decode("utf-8", "replace")
         if self._greeted:
-            status = policy.enhance(status)
+            status = enhance(status)
         else:
             self._greeted = True  # the greeting carries no enhanced code
         # Replies may echo client text; never fail on undecodable bytes.
         self.write_raw(status.encode("utf-8", "replace") + b"\r\n")
         await self.drain_writes()
 
-    async def _push_lines(self, lines: Sequence[str]) -> None:
-        """A reply written as given (HELO/EHLO replies carry no enhanced codes)."""
-        self.write_raw("".join(line + "\r\n" for line in lines).encode("utf-8", "replace"))
-        await self.drain_writes()
-
-    # --- commands
-
-    @junk_command
-    @syntax("HELO hostname")
-    async def smtp_HELO(self, hostname: str | None) -> None:
-        if not hostname:
-            await self._push_lines([policy.HELO_SYNTAX])
-            return
-        self.reset_transaction()
-        assert self.session is not None
-        self.session.extended_smtp = False
-        self.session.host_name = hostname
-        await self._push_lines([f"250 {self.hostname}"])
-
-    @junk_command
-    @syntax("EHLO hostname")
-    async def smtp_EHLO(self, hostname: str | None) -> None:
-        if not hostname:
-            await self._push_lines([policy.EHLO_SYNTAX])
-            return
-        self.reset_transaction()
-        assert self.session is not None
-        self.session.extended_smtp = True
-        self.session.host_name = hostname
-        size = self.config.max_message_size
-        lines = [
-            self.hostname,
-            "PIPELINING",
-            f"SIZE {size}" if size else "SIZE",
-            "8BITMIME",
-            "SMTPUTF8",
-            "ENHANCEDSTATUSCODES",
-            "DSN",
-        ]
-        if self.tls_context and not self.tls_active:  # not offered again inside TLS
-            lines.append("STARTTLS")
-        if self.tls_active:  # never advertised in cleartext (RFC 4954 4; RFC 8314)
-            lines.append("AUTH " + " ".join(AUTH_MECHANISMS))
-        await self._push_lines([f"250-{line}" for line in lines[:-1]] + [f"250 {lines[-1]}"])
-
-    @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
-    async def smtp_MAIL(self, arg: str | None) -> None:
-        if await self.check_helo_needed():
-            return
-        assert self.session is not None
-        envelope = self.envelope
-        assert isinstance(envelope, RelayEnvelope)
-        if envelope.started:
-            await self.push(policy.NESTED_MAIL)
-            return
-        if self.kind == SUBMISSION and not self.tls_active:
-            await self.push(policy.STARTTLS_FIRST)
-            return
-        if self.kind != SMTP_LISTENER and self.grant is None:
-            await self.push(policy.AUTH_REQUIRED)  # RFC 6409 4.1: submission needs AUTH
-            return
-        rest = command_argument("FROM:", arg or "")
-        if rest is None:
-            await self.bad_command(policy.MAIL_SYNTAX)
-            return
-        try:
-            sender, params = policy.parse_mail(
-                rest, extended=self.session.extended_smtp, max_size=self.config.max_message_size
-            )
-        except policy.Refused as refused:
-            await self.bad_command(refused.reply)
-            return
-        if self.grant is not None:
-            refusal = await self._account_refusal(self.grant, sender.address if sender else "")
-            if refusal is not None:
-                await self.push(refusal)
-                return
-        monitor = self.server.monitor
-        if monitor is not None:
-            decision = monitor.mail_from_decision(self.may_relay)
-            if decision.refuse_reply is not None:
-                log.debug("back pressure: refused MAIL FROM of %s", self.client_ip)
-                await self.push(decision.refuse_reply)
-                return
-            if decision.delay_seconds > 0:
-                # Tarpit: only this session waits; aiosmtpd cancels the sleep
-                # if the client goes away, and stop() says 421 meanwhile.
-                await asyncio.sleep(decision.delay_seconds)
-                self.restart_idle_timer()
-        envelope.started = True
-        envelope.mail_from = sender.address if sender else ""
-        envelope.params = params
-        envelope.smtp_utf8 = params.smtputf8
-        await self.push(policy.SENDER_OK)
-
-    @syntax("RCPT TO: <address>", extended=" [SP <mail-parameters>]")
-    async def smtp_RCPT(self, arg: str | None) -> None:
-        if await self.check_helo_needed():
-            return
-        assert self.session is not None
-        envelope = self.envelope
-        assert isinstance(envelope, RelayEnvelope)
-        if not envelope.started:
-            await self.push(policy.NEED_MAIL)
-            return
-        rest = command_argument("TO:", arg or "")
-        if rest is None:
-            await self.bad_command(policy.RCPT_SYNTAX)
-            return
-        try:
-            recipient, params = policy.parse_rcpt(
-                rest, extended=self.session.extended_smtp, utf8=envelope.params.smtputf8
-            )
-        except policy.Refused as refused:
-            await self.bad_command(refused.reply)
-            return
-        refusal = policy.recipient_refusal(
-            recipient, trusted=self.may_relay, accepted_domains=self.config.accepted_domains
-        )
-        if refusal is not None:
-            log.info("refused <%s> from %s: %s", recipient.address, self.client_ip, refusal)
-            await self.push(refusal)
-            return
-        if len(envelope.recipients) >= self.config.max_recipients:
-            await self.push(policy.TOO_MANY_RECIPIENTS)
-            return
-        envelope.recipients.append(
-            IncomingRecipient(recipient.address, orcpt=params.orcpt, notify=params.notify)
-        )
-        envelope.rcpt_tos.append(recipient.address)
-        await self.push(policy.RECIPIENT_OK)
+    # --- DATA (the commands before it: ``commands.Commands``; AUTH: ``auth.AuthCommand``)
 
     @syntax("DATA")
     async def smtp_DATA(self, arg: str | None) -> None:
@@ -557,185 +682,3 @@ class InboundSMTP(AiosmtpdSession):
             return
         log.info("%s: DATA too slow or idle; closing", self.client_ip)
         self._goodbye(policy.DATA_TOO_SLOW)
-
-    async def _account_refusal(self, grant: accounts.Grant, address: str) -> str | None:
-        """The reply refusing an authenticated MAIL FROM, or None: its sender, its rate."""
-        if not grant.may_send_as(address):
-            log.info("%s: account %s may not send as <%s>", self.client_ip, grant.username, address)
-            return policy.SENDER_NOT_ALLOWED.format(address=address, username=grant.username)
-        if grant.max_messages_per_hour:
-            try:
-                limited = await self.server.in_database(accounts.rate_limited, grant)
-            except Exception:
-                log.exception("could not check the rate of account %s", grant.username)
-                return policy.INTERNAL_ERROR
-            if limited:
-                log.info("%s: account %s over its rate", self.client_ip, grant.username)
-                return policy.ACCOUNT_RATE_LIMITED.format(
-                    username=grant.username, limit=grant.max_messages_per_hour
-                )
-        return None
-
-    # --- AUTH (RFC 4954; PLAIN RFC 4616, LOGIN)
-
-    @syntax("AUTH <mechanism> [initial-response]")
-    async def smtp_AUTH(self, arg: str | None) -> None:
-        if await self.check_helo_needed("EHLO"):
-            return
-        assert self.session is not None
-        refusal = self._auth_refusal()
-        if refusal is not None:
-            if refusal == policy.AUTH_LOCKED_OUT:
-                self._goodbye(refusal)
-            else:
-                await self.push(refusal)
-            return
-        words = (arg or "").split()
-        if not 1 <= len(words) <= 2:
-            await self.push(policy.AUTH_SYNTAX)
-            return
-        mechanism = words[0].upper()
-        if mechanism not in AUTH_MECHANISMS:
-            await self.push(policy.AUTH_MECHANISM)
-            return
-        initial = words[1] if len(words) == 2 else None
-        if mechanism == "PLAIN":
-            credentials = await self._plain(initial)
-        else:
-            credentials = await self._login(initial)
-        if credentials is None:
-            return  # the reply (501) was sent
-        await self._check_credentials(mechanism, *credentials)
-
-    def _auth_refusal(self) -> str | None:
-        assert self.session is not None
-        if not self.session.extended_smtp:
-            return policy.AUTH_NEEDS_EHLO
-        if not self.tls_active:
-            return policy.AUTH_NEEDS_TLS
-        if self.server.auth_limiter.locked_out(policy.client_key(self.client_ip)):
-            return policy.AUTH_LOCKED_OUT
-        if self.grant is not None:
-            return policy.AUTH_ALREADY
-        envelope = self.envelope
-        if isinstance(envelope, RelayEnvelope) and envelope.started:
-            return policy.AUTH_IN_TRANSACTION
-        return None
-
-    async def _challenge(self, prompt: bytes) -> bytes | None:
-        """Send a 334 challenge and read the client's base64 answer; None (and 501) if
-        it aborts with "*" or is not base64. The answer is never logged."""
-        await self.push("334 " + base64.b64encode(prompt).decode("ascii"))
-        line = await self._answer_line()
-        self.restart_idle_timer()
-        if line is None:
-            log.warning("%s: AUTH answer too long; refused", self.client_ip)
-            await self.push(policy.AUTH_LINE_TOO_LONG)
-            return None
-        answer = line.strip()
-        if answer == b"*":
-            await self.push(policy.AUTH_ABORTED)
-            return None
-        return await self._decoded(answer.decode("ascii", "replace"))
-
-    async def _answer_line(self) -> bytes | None:
-        """The client's answer to a 334, to its LF; None when it is longer than the
-        reader's limit (64 KiB): then it is read to its end and dropped, in step."""
-        reader = self.reader
-        too_long = False
-        while True:
-            try:
-                line = await reader.readuntil(b"\n")
-            except asyncio.LimitOverrunError as exc:
-                await reader.read(exc.consumed)  # bytes that hold no LF: dropped
-                too_long = True
-                continue
-            except asyncio.IncompleteReadError:
-                raise asyncio.CancelledError() from None  # the client went away mid-AUTH
-            return None if too_long else line
-
-    async def _decoded(self, text: str) -> bytes | None:
-        """``text`` decoded from base64; None (and 501) when it is not base64."""
-        decoded = decode_base64(text)
-        if decoded is None:
-            await self.push(policy.AUTH_BAD_BASE64)
-        return decoded
-
-    async def _first_response(self, initial: str | None, prompt: bytes):
-        """The client's first answer: given with AUTH (RFC 4954 initial response)
-        or asked for with ``prompt``; None after a bad or aborted answer."""
-        if initial is None:
-            return await self._challenge(prompt)
-        return await self._decoded(initial)
-
-    async def _plain(self, initial: str | None) -> tuple[str, str] | None:
-        response = await self._first_response(initial, b"")
-        if response is None:
-            return None
-        credentials = plain_credentials(response)
-        if credentials is None:
-            await self.push(policy.AUTH_BAD_PLAIN)
-        return credentials
-
-    async def _login(self, initial: str | None) -> tuple[str, str] | None:
-        username = await self._first_response(initial, b"Username:")
-        if username is None:
-            return None
-        password = await self._challenge(b"Password:")
-        if password is None:
-            return None
-        return username.decode("utf-8", "replace"), password.decode("utf-8", "replace")
-
-    async def _check_credentials(self, mechanism: str, username: str, password: str) -> None:
-        """Reserve the attempt, check the hash (a database thread: it costs
-        milliseconds), then 235, 535, or the lockout (``authlimit``)."""
-        try:
-            outcome = await self.server.in_database(
-                authlimit.attempt,
-                self.server.auth_limiter,
-                policy.client_key(self.client_ip),
-                username,
-                password,
-            )
-        except Exception:
-            log.exception("%s: AUTH could not be checked", self.client_ip)
-            await self.push(policy.AUTH_UNAVAILABLE)
-            return
-        del password
-        assert isinstance(outcome, authlimit.Outcome)
-        if outcome.refused == authlimit.ADDRESS:
-            log.warning("%s: AUTH refused: too many failures from this address", self.client_ip)
-            self._goodbye(policy.AUTH_LOCKED_OUT)
-            return
-        if outcome.refused == authlimit.USERNAME:
-            log.warning(
-                "%s: AUTH refused for %r: too many failures", self.client_ip, username[:150]
-            )
-            if not self.count_junk():  # costs no hash: bounded as junk commands are
-                await self.push(policy.AUTH_ACCOUNT_LOCKED)
-            return
-        if outcome.grant is not None:
-            self.grant = outcome.grant
-            log.info("%s: authenticated as %s (%s)", self.client_ip, username, mechanism)
-            await self.push(policy.AUTH_OK)
-            return
-        log.warning("%s: AUTH %s failed for %r", self.client_ip, mechanism, username[:150])
-        client = str(self.client_ip) if self.client_ip else None
-        try:
-            await self.server.in_database(
-                accounts.record_auth_failure,
-                client,
-                username,
-                mechanism,
-                locked_out=outcome.locked is not None,
-                locked=outcome.locked or authlimit.ADDRESS,
-            )
-        except Exception:  # noqa: BLE001 - the reply matters more than the event
-            log.warning("could not record an AUTH failure event", exc_info=True)
-        await self.push(policy.AUTH_FAILED)
-
-    @junk_command
-    @syntax("VRFY <address>")
-    async def smtp_VRFY(self, arg: str | None) -> None:
-        # Answer without looking anything up: a relay has no mailboxes to verify.
-        await self.push(policy.CANNOT_VRFY if arg else policy.VRFY_SYNTAX)
