@@ -45,8 +45,9 @@ PROJECT = tuple(
 # in the engine's Celery module (delivery/qmgr/tasks.py), not mailrelay/celery.py: 20;
 # the DKIM key store in the accept, queues/dkim.py run only when a key applies: 19;
 # the categorizer in the queue manager's tasks module (delivery/qmgr/tasks.py): 18;
-# the retry classification in the round's outcome, the TLS plan in the client: 16.)
-PATH_FILES = 16
+# the retry classification in the round's outcome, the TLS plan in the client: 16;
+# the aiosmtpd adapter's wall and the DATA checks in the session that reads DATA: 14.)
+PATH_FILES = 14
 
 MESSAGE = (
     "From: a@example.org\r\nTo: b@example.net\r\nSubject: path\r\n"
