@@ -262,7 +262,8 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Celery's Django fixup closes the database connection after every task unless
-# told to reuse it; a broken connection is still replaced (mailrelay/celery.py).
+# told to reuse it; a broken connection is still replaced (the task_prerun hook in
+# delivery/qmgr/tasks.py).
 CELERY_DB_REUSE_MAX = 100_000
 # Two queues, so routing and the sweep never wait behind deliveries (a silent
 # next hop holds a delivery for its connect and greeting timeouts): `control`

@@ -10,7 +10,7 @@ counted is the steady path. The doorbells ring for real (the store's work
 signals and ``delivery.qmgr.tasks``); only Celery's ``send_task`` is the
 test's recorder (no broker). The engine is driven as the workers drive it:
 the Celery task ``categorize`` runs (``apply``: in this process, with the
-Celery app's hooks, ``mailrelay/celery.py``), then the task ``deliver_link``
+workers' hooks: ``task_prerun`` in ``delivery/qmgr/tasks.py``), then the task ``deliver_link``
 of each link the categorizer rang (not the sweeper's scan of due links, which
 is not on a message's path).
 

@@ -1,4 +1,4 @@
-"""AUTH to a next hop (delivery.smtp.auth; its credentials: delivery.smtp.tls) and
+"""AUTH to a next hop (delivery.smtp.auth; its credentials: delivery.smtp.client.load_auth) and
 implicit TLS on port 465, against real aiosmtpd peers on loopback."""
 
 from __future__ import annotations

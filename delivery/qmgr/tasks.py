@@ -123,7 +123,7 @@ def ring_link(
 def categorize() -> int | None:
     # One owner across the reruns an outage costs, as deliver_link below: a
     # rerun first finishes the batch an earlier run claimed (its reply lost).
-    return waits_for_database(_categorize)(worker_id())
+    return waits_for_database(_categorize)(transitions.new_owner())
 
 
 def _categorize(owner: str) -> int:
@@ -156,7 +156,7 @@ def deliver_link(link_id: int) -> int | None:
     # One owner for the task, across the reruns an outage costs: the link's
     # lease an earlier run took (its reply lost with the connection) is still
     # its own, not a stranger's to wait out.
-    return waits_for_database(deliver_link_now)(link_id, worker_id())
+    return waits_for_database(deliver_link_now)(link_id, transitions.new_owner())
 
 
 # The periodic tasks do not wait for the database: their next run comes anyway.
@@ -173,11 +173,6 @@ def reclaim() -> dict:
     """Take back the claims of dead owners and ring for their work (delivery.qmgr.ownership)."""
     report = reclaim_now()
     return {"recipients": report.recipients_reclaimed, "messages": report.messages_reclaimed}
-
-
-def worker_id() -> str:
-    """This worker's owner token for its claims (the store's one owner id)."""
-    return transitions.new_owner()
 
 
 # --- the categorizer ---------------------------------------------------------------
@@ -438,7 +433,7 @@ def categorize_pending(
        mark the messages queued (or done) and clear the crash count;
     5. after commit, ring the links that got work.
     """
-    owner = owner or worker_id()
+    owner = owner or transitions.new_owner()
     limit = limit or settings.MAILRELAY_CATEGORIZER_BATCH
     acquired_at = time.monotonic()  # the claim's lease runs from its request
     lease = settings.MAILRELAY_DELIVERY_LEASE

@@ -546,7 +546,7 @@ def _configured_routes(
 def configured_hops(domain: str) -> tuple[NextHop, ...]:
     """The next hops of ``domain`` as written in the transport map or smart host
     (before any MX lookup), or () when DNS routes it: the names a TLS policy
-    or AUTH line may use for them (delivery.smtp.tls)."""
+    or AUTH line may use for them (the round's TLS plan, delivery.smtp.client)."""
     router = Router.from_settings()
     try:
         entry = lookup_transport(router.transports, _route_name(domain))

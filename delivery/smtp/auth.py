@@ -2,9 +2,10 @@
 
 ``authenticate`` runs on a ``connection.Connection`` after EHLO and STARTTLS
 (the round's ``_Batch`` in ``delivery.smtp.client`` calls it when the next
-hop has credentials: ``MAILRELAY_SMTP_AUTH``, read by ``delivery.smtp.tls``
-and looked up for each target in the round's TLS plan). It never sends
-credentials in cleartext, nor over unverified TLS, unless allowed.
+hop has credentials: ``MAILRELAY_SMTP_AUTH``, in the file format of
+``delivery.smtp.tls``, read and looked up for each target by the round's TLS
+plan, ``client.load_auth``). It never sends credentials in cleartext, nor
+over unverified TLS, unless allowed.
 """
 
 from __future__ import annotations

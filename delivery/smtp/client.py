@@ -51,6 +51,7 @@ from datetime import datetime
 
 from django.conf import settings
 
+from delivery.route.routing import configured_hops, hop_label
 from delivery.smtp import outcome
 from delivery.smtp.auth import authenticate
 from delivery.smtp.connection import (
@@ -708,8 +709,6 @@ def plan(
     MTA-STS lookups and fetches (``mta_sts.policy_for``): a round passes one
     that renews its claim meanwhile.
     """
-    from delivery.route.routing import configured_hops, hop_label
-
     ca_file = settings.MAILRELAY_TLS_CA_FILE
     hops = list(link_hops)
     if not dns_routed:  # the hops as written too, when an MX lookup expanded them

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from delivery.route.dns import make_resolver
 from delivery.smtp import dane, mta_sts
 from delivery.smtp.dane import Tlsa
 
@@ -116,8 +117,6 @@ def dane_requirements(
 ) -> tuple[TlsRequirement, dict[tuple[str, int], TlsRequirement]]:
     """What a ``dane``/``dane-only`` level requires of a target not looked up
     (none should be: no TLSA known), and of each of ``hosts``, looked up."""
-    from delivery.route.dns import make_resolver
-
     by_target = {
         (host, port): _dane(level, host, port, make_resolver(cache=False)) for host, port in hosts
     }
@@ -158,8 +157,6 @@ def mta_sts_requirements(
     """What the recipient domains' MTA-STS policies require of each of ``hosts``
     (none: no requirement of their own), and what their "testing" policies
     would refuse, for the operator."""
-    from delivery.route.dns import make_resolver
-
     resolver = make_resolver()
     by_target: dict[tuple[str, int], TlsRequirement] = {}
     reports: list[str] = []

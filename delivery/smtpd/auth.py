@@ -14,11 +14,17 @@ import asyncio
 import base64
 import binascii
 import logging
+from typing import TYPE_CHECKING
 
 from aiosmtpd.smtp import syntax
 
 from delivery.smtpd import authlimit, policy
 from queues.services import accounts
+
+if TYPE_CHECKING:
+    from delivery.smtpd.state import SessionState as _Session
+else:
+    _Session = object  # at run time the state and replies are the session's own
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +57,11 @@ def plain_credentials(response: bytes) -> tuple[str, str] | None:
     return authcid, password
 
 
-class AuthCommand:
+class AuthCommand(_Session):
     """The AUTH command of ``session.InboundSMTP`` (a base of it, not a session alone).
 
-    It uses the session's replies (``push``, ``_goodbye``, ``count_junk``),
-    its reader (``reader``, ``restart_idle_timer``), its state (``session``,
-    ``envelope``, ``tls_active``, ``client_ip``, ``grant``) and its server
-    (``auth_limiter``, ``in_database``).
+    What it uses of the session (its replies, its reader, its state and its
+    server) is declared in ``state.SessionState``.
     """
 
     @syntax("AUTH <mechanism> [initial-response]")

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from aiosmtpd.smtp import SMTP, syntax
 
@@ -23,6 +24,11 @@ from delivery.smtpd.auth import AUTH_MECHANISMS
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION
 from queues.accept import IncomingRecipient
 from queues.services import accounts
+
+if TYPE_CHECKING:
+    from delivery.smtpd.state import SessionState as _Session
+else:
+    _Session = object  # at run time the state and replies are the session's own
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +47,12 @@ def junk_command(
     return counted
 
 
-class Commands:
+class Commands(_Session):
     """HELO/EHLO, MAIL, RCPT, VRFY and the junk budget of ``session.InboundSMTP``
     (a base of it, not a session alone).
 
-    It uses the session's replies (``push``, ``write_raw``, ``drain_writes``,
-    ``_goodbye``), its state (``session``, ``envelope``: a ``RelayEnvelope``,
-    ``config``, ``kind``, ``tls_active``, ``grant``, ``may_relay``,
-    ``client_ip``, ``junk_commands``), its idle timer and its server
-    (``monitor``, ``in_database``).
+    What it uses of the session (its replies, its state, its idle timer and
+    its server) is declared in ``state.SessionState``.
     """
 
     def count_junk(self) -> bool:

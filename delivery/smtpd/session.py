@@ -8,8 +8,9 @@ members only through the aiosmtpd adapter, ``AiosmtpdSession`` (below: a
 class wall; ``aiosmtpd_members`` lists the private members it relies on,
 checked against the installed aiosmtpd). What it decides comes from
 ``policy`` (paths, parameters, relay; every reply named) and from the server
-it belongs to (``SessionHost``: connection counting, back pressure, the
-database threads); what happens to a message once its data is in is the
+it belongs to (``state.SessionHost``: connection counting, back pressure, the
+database threads; ``state.SessionState`` declares what the bases use of the
+session); what happens to a message once its data is in is the
 handler's (``server.RelayHandler``), with the checks of the data here. It
 reads no settings: only its frozen ``InboundConfig``.
 
@@ -28,7 +29,7 @@ import socket
 import ssl
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from aiosmtpd import _get_or_new_eventloop
 from aiosmtpd.smtp import (
@@ -43,15 +44,12 @@ from aiosmtpd.smtp import __ident__ as _AIOSMTPD_IDENT
 
 from delivery.smtpd import aiosmtpd_members, policy
 from delivery.smtpd.auth import AuthCommand
-from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.commands import Commands
-from delivery.smtpd.config import SMTP_LISTENER, SUBMISSIONS, InboundConfig
+from delivery.smtpd.config import SMTP_LISTENER, SUBMISSIONS
+from delivery.smtpd.state import SessionHost
 from queues.accept import IncomingRecipient, printable
 from queues.lib import author_addresses, header_end, header_shape_refusal
 from queues.services import accounts
-
-if TYPE_CHECKING:
-    from delivery.backpressure.monitor import Monitor
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +57,6 @@ COMMAND_LINE_LIMIT = 512  # RFC 5321 4.5.3.1.4
 # MAIL/RCPT lines grow with their parameters: ORCPT alone may be 500 characters
 # (RFC 3461 4.2), ENVID 100; aiosmtpd's line reader caps every line at 1001.
 PARAMETER_LINE_LIMIT = 1000
-
-
-class SessionHost(Protocol):
-    """What a session needs of the server that accepted it (``server.InboundServer``)."""
-
-    config: InboundConfig
-    loop: asyncio.AbstractEventLoop | None
-    monitor: Monitor | None
-    auth_limiter: AuthLimiter
-
-    @property
-    def stopping(self) -> bool: ...
-
-    def admit(self, session: InboundSMTP) -> str | None: ...
-
-    def session_ended(self, session: InboundSMTP) -> None: ...
-
-    async def in_database(self, function: Callable[..., object], *args, **kwargs) -> object: ...
 
 
 # --- the aiosmtpd adapter: the one place that touches aiosmtpd's private members
