@@ -352,7 +352,7 @@ MAILRELAY_CATEGORIZER_BATCH = env_int("MAILRELAY_CATEGORIZER_BATCH", 500)
 # task waits this long so the next batch gathers more (0: no wait; bench/README.md).
 MAILRELAY_CATEGORIZER_BATCH_WAIT = env_duration("MAILRELAY_CATEGORIZER_BATCH_WAIT", "0.05s")
 # Claims (delivery rounds, links, categorizer batches) are leases that their
-# live owner renews every third of this (delivery.qmgr.ownership); a dead owner's
+# live owner renews every third of this (queues.transitions.flow.Claim); a dead owner's
 # claims are taken back by the sweep's reclaim once it runs out.
 MAILRELAY_DELIVERY_LEASE = env_duration("MAILRELAY_DELIVERY_LEASE", "30s")
 # An owner acts on a claim only while the time since the start of its last

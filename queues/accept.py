@@ -17,8 +17,12 @@ from django.conf import settings
 from django.db import Error, IntegrityError, InterfaceError, OperationalError, connection
 
 from queues import dkim, lib
-from queues.bulk import insert_many_with_children, insert_with_children
-from queues.dberrors import drop_connection, is_outage
+from queues.database import (
+    drop_connection,
+    insert_many_with_children,
+    insert_with_children,
+    is_outage,
+)
 from queues.lib import clock, header_end, inspect_headers
 from queues.models import (
     Event,

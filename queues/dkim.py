@@ -37,7 +37,7 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
 
 from queues import lib
-from queues.dberrors import is_outage
+from queues.database import is_outage
 from queues.lib import header_end
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from delivery.qmgr.ownership import Claim
 from delivery.qmgr.tasks import categorize_pending
 from delivery.smtp import deliver
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Link, Message, MessageState, Recipient, RecipientState
+from queues.transitions.flow import Claim
 from tracking import record
 
 pytestmark = pytest.mark.django_db

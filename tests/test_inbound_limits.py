@@ -21,7 +21,7 @@ from django.db import OperationalError, connection
 
 from delivery.smtpd import config, policy, server
 from delivery.smtpd import session as smtpd_session
-from queues import accept, bulk
+from queues import accept, database
 from queues.accept import (
     IncomingEnvelope,
     IncomingRecipient,
@@ -310,7 +310,7 @@ def test_after_a_database_restart_the_next_message_is_accepted_once(start_ingres
 
 def test_a_commit_whose_reply_was_lost_is_not_stored_twice(monkeypatch):
     inserts: list[str] = []
-    original = bulk.insert_with_children
+    original = database.insert_with_children
 
     def commit_then_lose_the_connection(parent, children, fk, **kwargs):
         original(parent, children, fk, **kwargs)

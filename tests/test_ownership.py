@@ -13,7 +13,6 @@ from datetime import timedelta
 
 import pytest
 
-from delivery.qmgr.ownership import Claim, while_renewing
 from delivery.qmgr.sweep import reclaim, sweep
 from delivery.qmgr.tasks import _process, categorize_pending
 from delivery.qmgr.tasks import claim_batch as claim_for_categorizer
@@ -29,6 +28,7 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
+from queues.transitions.flow import Claim, while_renewing
 from tests.support.pipeline import drain
 
 BODY = b"From: a@example.org\r\nTo: x\r\nSubject: t\r\n\r\nbody\r\n"

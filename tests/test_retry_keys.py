@@ -17,11 +17,12 @@ from datetime import timedelta
 import pytest
 from django.db import OperationalError, connection, transaction
 
-from delivery.qmgr import ownership
+from queues import database
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
-from queues.dberrors import is_outage
+from queues.database import is_outage
 from queues.lib import MAX_KEY_BYTES, address_key, bounded_key, clock
 from queues.models import DeliveryType, Message, Recipient, RecipientState, RetryHint
+from queues.transitions import flow
 from tests.support.pipeline import drain
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -67,7 +68,8 @@ def no_outage_retries(monkeypatch):
         seen.append("outage")
         raise AssertionError("a data error was taken for a database outage")
 
-    monkeypatch.setattr(ownership, "drop_connection", drop_connection)
+    monkeypatch.setattr(database, "drop_connection", drop_connection)  # retry_outages
+    monkeypatch.setattr(flow, "drop_connection", drop_connection)  # Claim.renew
     return seen
 
 
@@ -199,7 +201,7 @@ def test_while_connected_does_not_wait_out_a_data_error(no_outage_retries):
                 key="R:" + wide(690), first_failed=now, last_tried=now, next_try=now
             )
 
-    claim = ownership.Claim("test", lambda until: True)
+    claim = flow.Claim("test", lambda until: True)
     with pytest.raises(OperationalError):
-        ownership.while_connected(claim, work)
+        flow.while_connected(claim, work)
     assert calls == [1] and no_outage_retries == []

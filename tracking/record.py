@@ -30,7 +30,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 
 from queues import counters
-from queues.bulk import insert_json, jsonb_payload, jsonb_rows
+from queues.database import insert_json, jsonb_payload, jsonb_rows
 from queues.lib import clock, scrub_nul
 from queues.models import AuditEntry, DeliveryType, Link, Message, Queue, RecipientState
 from queues.signals import PLACED_FACTS
@@ -100,7 +100,7 @@ PG_TYPES = {
     "code": "smallint",
     "detail": "jsonb",
 }
-PG_COLUMNS = [(c, PG_TYPES.get(c, "text")) for c in COLUMNS]  # queues.bulk.insert_json
+PG_COLUMNS = [(c, PG_TYPES.get(c, "text")) for c in COLUMNS]  # queues.database.insert_json
 SQLITE_INSERT = (
     f"INSERT INTO tracking_event ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
 )

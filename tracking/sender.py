@@ -38,7 +38,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, F, Q, TextField, Value, When
 
-from delivery.qmgr.ownership import retry_outages
+from queues.database import retry_outages
 from queues.lib import clock
 from queues.transitions import new_owner
 from tracking import signing

@@ -11,7 +11,7 @@ import time
 from celery import shared_task
 from django.conf import settings
 
-from delivery.qmgr.ownership import waits_for_database
+from queues.database import waits_for_database
 from queues.lib import clock
 from tracking import partitions, sender
 

@@ -42,7 +42,7 @@ from delivery.backpressure.samplers import (
     Sampler,
     default_samplers,
 )
-from delivery.qmgr.ownership import OUTAGE, is_unavailable
+from queues.database import OUTAGE, is_unavailable
 from queues.models import EventLevel
 
 log = logging.getLogger(__name__)
@@ -295,7 +295,7 @@ class Monitor:
 
 
 def _failed(what: str, exc: Exception) -> None:
-    """A database that is away is one outage (logged once, ownership.OUTAGE), not a
+    """A database that is away is one outage (logged once, queues.database.OUTAGE), not a
     traceback every interval; anything else is traced."""
     if is_unavailable(exc):
         OUTAGE.failed(exc)

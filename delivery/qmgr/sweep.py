@@ -56,7 +56,7 @@ class SweepReport:
 
 
 def _reclaim_expired_claims(report: SweepReport) -> None:
-    """Take back what owners stopped renewing (queues.transitions, delivery.qmgr.ownership)."""
+    """Take back what owners stopped renewing (queues.transitions: the leases of their claims)."""
     now = clock.now()
     # A delivery that died mid-round: its recipients wait again, due now.
     report.recipients_reclaimed = Recipient.objects.reclaim_expired(now)

@@ -3,7 +3,7 @@ doorbells that start them. The only Celery module of the engine.
 
 **The categorizer** (``categorize_pending``, run by the task ``categorize``)
 routes the recipients of submitted messages into delivery queues: it claims a
-batch of Submission messages under a lease (``delivery.qmgr.ownership``),
+batch of Submission messages under a lease (``queues.transitions.flow.Claim``),
 routes each distinct domain once (``delivery.route.routing``), places each
 recipient in its destination's queue on its next hop's link, and rings the
 links that got work. The delivery of a link is ``delivery.smtp.deliver``'s
@@ -49,7 +49,6 @@ from django.db import (
 )
 from django.db.models import QuerySet
 
-from delivery.qmgr.ownership import Claim, waits_for_database, while_connected
 from delivery.qmgr.sweep import reclaim as reclaim_now
 from delivery.qmgr.sweep import sweep as sweep_now
 from delivery.route.routing import Route, RouteError, Router
@@ -58,7 +57,7 @@ from delivery.smtp.deliver import deliver_link as deliver_link_now
 from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
-from queues.dberrors import drop_connection, is_outage
+from queues.database import drop_connection, is_outage, waits_for_database
 from queues.lib import clock
 from queues.models import (
     Attempt,
@@ -73,6 +72,7 @@ from queues.models import (
 )
 from queues.placement import park_poison, special_queue
 from queues.signals import PLACED_FACTS, link_work, recipients_placed
+from queues.transitions import Claim, while_connected
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def sweep() -> dict:
 @shared_task(name="delivery.tasks.reclaim")
 @waits_for_database(wait=0)
 def reclaim() -> dict:
-    """Take back the claims of dead owners and ring for their work (delivery.qmgr.ownership)."""
+    """Take back the claims of dead owners and ring for their work (queues.transitions)."""
     report = reclaim_now()
     return {"recipients": report.recipients_reclaimed, "messages": report.messages_reclaimed}
 
@@ -194,7 +194,7 @@ def claim_batch(owner: str, limit: int) -> list[int]:
 
 def claim_counted(owner: str, limit: int) -> list[tuple[int, int]]:
     """``claim_batch`` with each message's crash count (the poison check)."""
-    return Message.objects.claim_for_categorizer_counted(
+    return Message.objects.claim_for_categorizer(
         owner, limit, clock.now(), settings.MAILRELAY_DELIVERY_LEASE
     )
 

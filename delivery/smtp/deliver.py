@@ -19,7 +19,6 @@ from functools import partial
 from django.conf import settings
 from django.db import connection, transaction
 
-from delivery.qmgr.ownership import Claim, while_connected, while_renewing
 from delivery.route.routing import DNS_MX, NextHop, order_targets
 from delivery.shaping import gate as shaping_gate
 from delivery.smtp.client import ClientConfig, connections_for, deliver, plan
@@ -40,8 +39,7 @@ from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient,
 from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
-from queues.bulk import insert_all, pipelined
-from queues.dberrors import is_outage
+from queues.database import insert_all, is_outage, pipelined
 from queues.lib import DSN_SUCCESS, clock, dsn_wanted, scrub_nul
 from queues.models import (
     AttemptOutcome,
@@ -55,6 +53,7 @@ from queues.models import (
 from queues.outcomes import Delivered
 from queues.placement import park_poison, special_queue
 from queues.signals import attempts_recorded
+from queues.transitions import Claim, while_connected, while_renewing
 
 log = logging.getLogger(__name__)
 

@@ -213,7 +213,7 @@ def _published(
     """The TXT id and, when it is not the cached policy's, the policy text.
 
     Network only, no database: the delivery round runs it in a thread of its
-    own while it renews its claim (``delivery.qmgr.ownership.while_renewing``).
+    own while it renews its claim (``queues.transitions.flow.while_renewing``).
     """
     try:
         policy_id = _txt_id(resolver, domain)

@@ -58,7 +58,6 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError, connection, connections
 
 from delivery.backpressure.samplers import InFlight
-from delivery.qmgr.ownership import OUTAGE, first_line, is_unavailable
 from delivery.smtpd import policy
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION, SUBMISSIONS, InboundConfig
@@ -80,7 +79,7 @@ from queues.accept import (
     prepared_accept,
     prepared_accept_many,
 )
-from queues.dberrors import drop_connection
+from queues.database import OUTAGE, drop_connection, first_line, is_unavailable
 from queues.models import MessageSource
 from queues.signals import categorizer_work
 
@@ -202,7 +201,7 @@ class RelayHandler:
                 log.exception("could not store a message from %s", smtp.client_ip)
                 return policy.STORE_FAILED
             # The database is away (a failover): one line per 451, the outage
-            # itself once as it starts and once as it ends (delivery.qmgr.ownership.OUTAGE).
+            # itself once as it starts and once as it ends (queues.database.OUTAGE).
             OUTAGE.failed(exc)
             log.warning("451 4.3.0 message from %s not stored: %s", smtp.client_ip, first_line(exc))
             return policy.STORE_FAILED
@@ -489,7 +488,7 @@ def _settle_on_loop(future: asyncio.Future, settle: Callable[[Any], None], value
 Job = tuple[concurrent.futures.Future | LoopReply, Any, Any]  # (reply, envelope, data)
 
 # PostgreSQL takes at most 65535 parameters in one statement; a batch's INSERT
-# (queues.bulk.insert_many_with_children) sends one per column of each message
+# (queues.database.insert_many_with_children) sends one per column of each message
 # and of each recipient. Kept under that with room: a batch of four messages of
 # 1000 recipients each is two statements, not a failed one and four retries.
 MAX_STATEMENT_PARAMS = 60_000

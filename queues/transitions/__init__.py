@@ -26,14 +26,22 @@ Every method here is one set-based statement (or a few, in the caller's
 transaction); none loads message bodies.
 """
 
-from queues.transitions.flow import LinkQuerySet, new_owner, poisoned
-from queues.transitions.operator import MessageQuerySet, QueueQuerySet, RecipientQuerySet
+from queues.transitions.flow import Claim, new_owner, poisoned, while_connected, while_renewing
+from queues.transitions.operator import (
+    LinkQuerySet,
+    MessageQuerySet,
+    QueueQuerySet,
+    RecipientQuerySet,
+)
 
 __all__ = [
+    "Claim",
     "LinkQuerySet",
     "MessageQuerySet",
     "QueueQuerySet",
     "RecipientQuerySet",
     "new_owner",
     "poisoned",
+    "while_connected",
+    "while_renewing",
 ]

@@ -2,26 +2,38 @@
 the categorizer's claim and placement, a delivery round's claim, record and
 release, a link's lease and verdict, and finishing a message; the operator's
 and the sweep's extend these QuerySets (``queues.transitions.operator``).
-The retry hints' QuerySet and the ``any`` lookup (``id__any``) the claims use
-are here too."""
+The ``Claim`` that holds such rows while its owner works, renewing their lease,
+and the retry hints' QuerySet are here too."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import cache
+from typing import TypeVar
 
 from django.apps import apps
 from django.conf import settings
 from django.db import connection, models, transaction
-from django.db.models import Exists, F, Lookup, OuterRef, Q
-from django.db.models.lookups import In
+from django.db.models import Exists, F, OuterRef, Q
 
-from queues.bulk import field_columns, jsonb_payload, jsonb_rows, update_json
+from queues.database import (
+    drop_connection,
+    field_columns,
+    jsonb_payload,
+    jsonb_rows,
+    postgresql,
+    retry_outages,
+    update_json,
+)
+from queues.lib import clock
 from queues.outcomes import Delivered, LinkOutcome, RecipientOutcome, Verdict
 from queues.states import (
     FINAL_RECIPIENT_STATES,
@@ -32,6 +44,7 @@ from queues.states import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def model_named(name: str) -> type[models.Model]:
@@ -54,7 +67,7 @@ def poisoned(crash_count: int) -> bool:
 
 # The categorizer's claim in one statement (PostgreSQL): a message to be tried
 # alone first, else a batch, locked with SKIP LOCKED and leased to the owner;
-# a claim of one counts the try in crash_count (see claim_for_categorizer).
+# a claim of one counts the try in crash_count (see MessageFlow.claim_for_categorizer).
 _PG_CATEGORIZER_CLAIM = """
 WITH iso AS (
     SELECT id FROM queues_message
@@ -98,8 +111,10 @@ class MessageFlow(models.QuerySet):
 
     def claim_for_categorizer(
         self, owner: str, limit: int, now: datetime, lease: timedelta
-    ) -> list[int]:
-        """Claim due Submission messages for ``owner``; returns their ids.
+    ) -> list[tuple[int, int]]:
+        """Claim due Submission messages for ``owner``: (id, crash_count) pairs
+        by id (one statement on PostgreSQL: the claim and the poison check
+        together).
 
         A message that was in a batch whose owner died (``isolate``) is claimed
         alone, and only a message claimed alone has the try counted in
@@ -108,13 +123,6 @@ class MessageFlow(models.QuerySet):
         and the message that really kills its worker reaches the poison
         threshold on its own.
         """
-        return [mid for mid, _ in self.claim_for_categorizer_counted(owner, limit, now, lease)]
-
-    def claim_for_categorizer_counted(
-        self, owner: str, limit: int, now: datetime, lease: timedelta
-    ) -> list[tuple[int, int]]:
-        """``claim_for_categorizer`` returning (id, crash_count) pairs by id (one
-        statement on PostgreSQL: the claim and the poison check together)."""
         if postgresql():
             params = {"now": now, "limit": limit, "owner": owner, "until": now + lease}
             with connection.cursor() as cur:
@@ -408,7 +416,7 @@ class RecipientFlow(models.QuerySet):
             return set()
         written = [_apply(rows[rid], o, dead_letter_id, now) for rid, o in outcomes.items()]
         if not postgresql():
-            from queues.bulk import bulk_update_rows
+            from queues.database import bulk_update_rows
 
             kept = set(
                 self.model.objects.select_for_update()
@@ -540,18 +548,7 @@ m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at
 SELECT id, message_id, queue_id, address, message_id IN (SELECT id FROM m) FROM r"""
 
 
-def not_locked(expired: models.QuerySet) -> models.QuerySet:
-    """The expired claims whose rows no transaction holds (FOR UPDATE SKIP LOCKED):
-    a cut-off owner's session may still hold its rows, idle in a transaction,
-    until PostgreSQL ends it (MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT); the
-    reclaim must not wait for it — it takes those rows at a later run, and
-    everything else at once."""
-    return expired.model.objects.filter(
-        pk__in=expired.select_for_update(skip_locked=True).values("pk")
-    )
-
-
-class LinkQuerySet(models.QuerySet):
+class LinkFlow(models.QuerySet):
     def acquire(self, link_id: int, owner: str, now: datetime, lease: timedelta) -> bool:
         """Become (or stay) the one delivery task of a link: a conditional update."""
         return (
@@ -566,14 +563,6 @@ class LinkQuerySet(models.QuerySet):
 
     def release(self, link_id: int, owner: str) -> int:
         return self.filter(pk=link_id, lease_owner=owner).update(lease_owner="", lease_until=None)
-
-    def reclaim_expired(self, now: datetime) -> int:
-        expired = self.filter(lease_until__lt=now)
-        with transaction.atomic():  # FOR UPDATE needs one, even in a subquery
-            return not_locked(expired).update(lease_owner="", lease_until=None)
-
-    def unowned(self, now: datetime) -> LinkQuerySet:
-        return self.filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
 
     def record_round(self, link: models.Model, outcome: LinkOutcome, now: datetime) -> None:
         """A round's verdict on its link: READY, or RETRY when every host failed
@@ -611,37 +600,160 @@ _LINK_RECORDED = [
 
 
 # ----------------------------------------------------------------------------
-# The store's query helpers for PostgreSQL's hand-written hot paths: the
-# ``any`` lookup (``filter(id__any=ids)``) and whether they may be used.
+# Claims that follow liveness: a live owner renews its lease while it works.
+#
+# A categorizer batch, a delivery round and a link's delivery task each hold
+# rows under a lease (``queues.transitions``). The lease is short
+# (``MAILRELAY_DELIVERY_LEASE``, 30 s by default) and the owner renews it every
+# third of it from the thread that does the work and holds its database
+# connection, whatever it is waiting for (a slow peer, a DNS answer, a
+# 10-minute reply to the final dot: the SMTP exchange runs in an event-loop
+# thread of its own while the owner's thread renews and serves it message
+# bodies, see ``delivery.smtp.deliver``). So:
+#
+# - a process killed with -9, OOM-killed or cut off from PostgreSQL stops
+#   renewing, its leases run out, and the sweep's reclaim hands the rows on
+#   within one lease and one reclaim interval;
+# - a live owner is never robbed by a timer, however long its work takes;
+# - a claim is a lease in time, not a belief: ``Claim.held()`` is True only
+#   while the monotonic time since the *start* of the last successful renewal
+#   is below the lease less a safety margin (``MAILRELAY_DELIVERY_LEASE_MARGIN``,
+#   for clock drift between hosts and the time a send takes). A frozen
+#   (SIGSTOP, VM pause) or cut-off owner therefore stops by itself — before
+#   MAIL FROM and before the final dot — without waiting to hear that it lost,
+#   and before anyone else may take its rows over (the sweep takes them back
+#   only once the lease in the database has run out). A renewal that fails or
+#   is slow counts the same as a lost one. This is the fencing rule of lease
+#   systems (Chubby's lease with a local timeout that starts before the
+#   request; etcd leases; Kafka's zombie fencing): the holder's own clock ends
+#   its lease no later than everyone else's;
+# - an owner that found its rows taken knows it at once; its writes are fenced
+#   by its owner token anyway.
+#
+# Renewal runs on the owner's own connection, so ownership is tied to the
+# process that does the work; after a database error the connection is
+# replaced, so a PostgreSQL restart costs a renewal, not the claim.
 # ----------------------------------------------------------------------------
 
-
-class AnyOf(Lookup):
-    """``filter(id__any=ids)``: ``id = ANY(%s)`` with the ids as one array parameter
-    on PostgreSQL (an ``IN (%s, %s, …)`` list of hundreds of ids costs psycopg's
-    client-side binding and Django's compiler a placeholder each, and makes
-    every batch size a new statement); an ``IN`` list elsewhere."""
-
-    lookup_name = "any"
-    prepare_rhs = False
-
-    def as_sql(self, compiler, connection):  # type: ignore[no-untyped-def]
-        if connection.vendor != "postgresql":
-            return In(self.lhs, list(self.rhs)).as_sql(compiler, connection)
-        lhs, params = self.process_lhs(compiler, connection)
-        # The base type without its length: an explicit cast to varchar(n)
-        # truncates, and a longer value would then match another row.
-        cast = self.lhs.output_field.cast_db_type(connection).partition("(")[0]
-        return f"{lhs} = ANY(%s::{cast}[])", [*params, list(self.rhs)]
+# renew(until) -> False when the claim is gone (taken back by the sweep)
+Renew = Callable[[datetime], bool]
 
 
-models.Field.register_lookup(AnyOf)
-models.ForeignObject.register_lookup(AnyOf)  # its lookups stop at ForeignObject
+def renewal_interval(lease: timedelta) -> float:
+    """A third of the lease: two renewals may fail before the lease runs out."""
+    return max(0.05, lease.total_seconds() / 3)
 
 
-def postgresql() -> bool:
-    """Whether the hot paths may use their hand-written PostgreSQL statements."""
-    return connection.vendor == "postgresql"
+def valid_for(lease: timedelta, margin: timedelta | None = None) -> float:
+    """How long after the start of a successful renewal the owner may still act:
+    the lease less the safety margin (at most a third of the lease, so that short
+    leases in tests keep two renewals' worth of validity)."""
+    if margin is None:
+        margin = settings.MAILRELAY_DELIVERY_LEASE_MARGIN
+    seconds = lease.total_seconds()
+    return seconds - min(margin.total_seconds(), seconds / 3)
+
+
+class Claim:
+    """One owner's hold on some rows, renewed by the owner while it works.
+
+    ``acquired_at``: the monotonic time at which the request that took the
+    rows was sent (their lease runs from then); default now. ``monotonic``:
+    the clock (tests move it)."""
+
+    def __init__(
+        self,
+        name: str,
+        renew: Renew,
+        lease: timedelta | None = None,
+        *,
+        acquired_at: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self._renew = renew
+        self._monotonic = monotonic
+        self.lease = lease or settings.MAILRELAY_DELIVERY_LEASE
+        self.interval = renewal_interval(self.lease)
+        self.valid_for = valid_for(self.lease)
+        self.renewed_at = monotonic() if acquired_at is None else acquired_at
+        self._lost = threading.Event()
+
+    def held(self) -> bool:
+        """Cheap and thread-safe, for the hot loop: False once the claim is lost,
+        or once the time since the start of its last successful renewal reached
+        the lease less the margin (then it stays lost)."""
+        if self._lost.is_set():
+            return False
+        age = self._monotonic() - self.renewed_at
+        if age >= self.valid_for:
+            self.lose(f"not renewed for {age:.1f}s (valid for {self.valid_for:.1f}s)")
+            return False
+        return True
+
+    def lose(self, why: str) -> None:
+        if not self._lost.is_set():
+            log.warning("lost the claim %s: %s", self.name, why)
+            self._lost.set()
+
+    def seconds_to_renewal(self) -> float:
+        return max(0.0, self.renewed_at + self.interval - self._monotonic())
+
+    def renew_if_due(self) -> None:
+        """Renew when a third of the lease has passed since the last renewal."""
+        if self.held() and self.seconds_to_renewal() <= 0:
+            self.renew()
+
+    def renew(self) -> None:
+        """Extend the lease. Its validity counts from the start of this request:
+        a renewal that took long bought less time, one that failed bought none."""
+        started = self._monotonic()
+        try:
+            still = self._renew(clock.now() + self.lease)
+        except Exception as exc:  # noqa: BLE001 - the database may be restarting
+            log.warning("could not renew the claim %s: %s", self.name, exc)
+            drop_connection()
+            self.held()  # loses it once the validity has run out
+            return
+        if not still:
+            self.lose("its rows were taken back")
+        elif not self._lost.is_set():
+            self.renewed_at = started
+
+
+def while_connected(claim: Claim, work: Callable[[], T]) -> T:
+    """Run ``work``; when the database connection breaks (PostgreSQL restarting),
+    reconnect and run it again for as long as the claim is held, renewing it,
+    so an outage shorter than a lease costs a moment, not the claim (and not a
+    second copy of what a round already sent). ``work`` must be safe to repeat:
+    one transaction, fenced by the owner token."""
+
+    def still_held() -> bool:
+        claim.renew()  # keeps the claim across the outage, or finds it lost
+        return claim.held()
+
+    return retry_outages(work, still_held)
+
+
+def while_renewing(claim: Claim, work: Callable[[], T]) -> T:
+    """Run ``work`` in a thread of its own while this thread (the owner, which
+    holds the database connection) renews ``claim``: for slow network work
+    inside a round, such as fetching a recipient domain's MTA-STS policy, so
+    a slow server cannot make the claim run out. ``work`` must not use the
+    database and must be bounded by its own deadline; its result is returned
+    and its exception raised here."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - raised in the owner thread
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name=f"{claim.name} wait", daemon=True).start()
+    while not concurrent.futures.wait([done], max(0.01, claim.seconds_to_renewal())).done:
+        claim.renew_if_due()
+    return done.result()
 
 
 # ----------------------------------------------------------------------------

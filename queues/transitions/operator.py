@@ -10,7 +10,7 @@ from datetime import datetime
 
 from django.conf import settings
 from django.db import models, transaction
-from django.db.models import F
+from django.db.models import F, Q
 
 from queues.states import (
     FINAL_RECIPIENT_STATES,
@@ -19,7 +19,18 @@ from queues.states import (
     MessageState,
     RecipientState,
 )
-from queues.transitions.flow import MessageFlow, RecipientFlow, model_named, not_locked, poisoned
+from queues.transitions.flow import LinkFlow, MessageFlow, RecipientFlow, model_named, poisoned
+
+
+def not_locked(expired: models.QuerySet) -> models.QuerySet:
+    """The expired claims whose rows no transaction holds (FOR UPDATE SKIP LOCKED):
+    a cut-off owner's session may still hold its rows, idle in a transaction,
+    until PostgreSQL ends it (MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT); the
+    reclaim must not wait for it — it takes those rows at a later run, and
+    everything else at once."""
+    return expired.model.objects.filter(
+        pk__in=expired.select_for_update(skip_locked=True).values("pk")
+    )
 
 
 class MessageQuerySet(MessageFlow):
@@ -264,3 +275,16 @@ class QueueQuerySet(models.QuerySet):
     def learn_route(self, link_id: int) -> int:
         """A re-routed queue's route changed meanwhile: it returns there at the end."""
         return self.update(reroute_from=link_id)
+
+
+class LinkQuerySet(LinkFlow):
+    """The sweep's transitions of a link: taking back the lease of an owner that
+    stopped renewing, and the links no live owner holds."""
+
+    def reclaim_expired(self, now: datetime) -> int:
+        expired = self.filter(lease_until__lt=now)
+        with transaction.atomic():  # FOR UPDATE needs one, even in a subquery
+            return not_locked(expired).update(lease_owner="", lease_until=None)
+
+    def unowned(self, now: datetime) -> LinkQuerySet:
+        return self.filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))

@@ -1,4 +1,8 @@
-"""The one batch writer: many rows, different values, one statement.
+"""How the store talks to PostgreSQL: the one batch writer, which database
+errors are an outage, and the database going away and coming back as one
+process sees it.
+
+**The one batch writer**: many rows, different values, one statement.
 
 Django's ``bulk_update`` builds a CASE expression per field and row in
 Python, and ``bulk_create`` prepares every value and sends a placeholder
@@ -11,21 +15,50 @@ write of the hot paths: a round's recipients (``update_json``), its
 attempts and tracking rows (``insert_json``), the webhook outbox.
 ``bulk_update_rows`` writes ``UPDATE … FROM (VALUES …)``; other databases
 use ``bulk_update``. ``insert_with_children`` is the ingress's insert.
+
+**Errors** (``is_outage``, ``drop_connection``): which database errors are an
+outage (the server is away: reconnect and try again) and which are about the
+statement or its data (trying again gives the same error: handle it as a
+failure of that work).
+
+**Outages** (``OUTAGE``, ``retry_outages``, ``waits_for_database``): what an
+owner, a task and the ingress do while the database is away (issue #25).
+
+**The hot paths' query helpers**: the ``any`` lookup (``filter(id__any=ids)``,
+one array parameter) and whether the hand-written PostgreSQL statements may
+be used (``postgresql()``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
+from typing import Any, ParamSpec, TypeVar
 
 import psycopg
 import psycopg.adapt
-from django.db import DEFAULT_DB_ALIAS, connection, connections, models
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    InterfaceError,
+    OperationalError,
+    connection,
+    connections,
+    models,
+)
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Lookup
+from django.db.models.lookups import In
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _json_value(value: object) -> str:
@@ -414,3 +447,228 @@ def _insert_with_orm(
         for child in children:
             setattr(child, fk, parent)
         type(children[0]).objects.bulk_create(children)
+
+
+# --- the query helpers of the hand-written hot paths: ``id__any``, postgresql() ----
+
+
+class AnyOf(Lookup):
+    """``filter(id__any=ids)``: ``id = ANY(%s)`` with the ids as one array parameter
+    on PostgreSQL (an ``IN (%s, %s, …)`` list of hundreds of ids costs psycopg's
+    client-side binding and Django's compiler a placeholder each, and makes
+    every batch size a new statement); an ``IN`` list elsewhere."""
+
+    lookup_name = "any"
+    prepare_rhs = False
+
+    def as_sql(self, compiler, connection):  # type: ignore[no-untyped-def]
+        if connection.vendor != "postgresql":
+            return In(self.lhs, list(self.rhs)).as_sql(compiler, connection)
+        lhs, params = self.process_lhs(compiler, connection)
+        # The base type without its length: an explicit cast to varchar(n)
+        # truncates, and a longer value would then match another row.
+        cast = self.lhs.output_field.cast_db_type(connection).partition("(")[0]
+        return f"{lhs} = ANY(%s::{cast}[])", [*params, list(self.rhs)]
+
+
+models.Field.register_lookup(AnyOf)
+models.ForeignObject.register_lookup(AnyOf)  # its lookups stop at ForeignObject
+
+
+def postgresql() -> bool:
+    """Whether the hot paths may use their hand-written PostgreSQL statements."""
+    return connection.vendor == "postgresql"
+
+
+# --- errors: an outage, or a failure of the work -----------------------------------
+
+# SQLSTATE classes that say the statement or its data is wrong, never that the
+# server is away: 22 data exception, 23 integrity constraint violation, 42
+# syntax error or access rule violation, 54 program limit exceeded (an index
+# row or a statement too large: psycopg files it under OperationalError).
+NOT_AN_OUTAGE = frozenset({"22", "23", "42", "54"})
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a database error (Django's wraps the driver's), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        state = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if state:
+            return str(state)
+        current = current.__cause__  # Django raises its error from the driver's
+    return None
+
+
+def is_outage(exc: BaseException) -> bool:
+    """True when ``exc`` means the database is unreachable or went away (a lost
+    or refused connection, a server shutting down): worth a new connection and
+    another try. A data error (too long a value, an index row over its limit, a
+    constraint) is not, whatever class the driver gives it."""
+    if isinstance(exc, InterfaceError):
+        return True
+    if not isinstance(exc, OperationalError):
+        return False
+    state = sqlstate(exc)
+    return state is None or state[:2] not in NOT_AN_OUTAGE
+
+
+def drop_connection() -> None:
+    """Close this thread's database connection after an error: the next query
+    opens a fresh one (the server may have restarted, or the connection is in
+    an unknown state after a failed COMMIT)."""
+    try:
+        connection.close()
+    except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+        log.debug("closing a broken database connection failed", exc_info=True)
+
+
+# --- the database going away and coming back, as one process sees it (issue #25) ----
+#
+# While PostgreSQL has no primary (a failover, a restart) every query fails the
+# same way, thousands of times a minute on a busy ingress. A traceback each
+# time buries the one fact that matters, so:
+#
+# - ``OUTAGE.failed(exc)`` notes a failure; the first one of an outage logs
+#   one ERROR line (when it started, and why); the rest log nothing here
+#   (ingress logs one short line per ``451``, without a traceback);
+# - ``OUTAGE.recovered()`` after a query worked again logs one line when an
+#   outage ends (how long it lasted, how many failures it cost);
+# - ``waits_for_database(task)``: a Celery task that finds the database away
+#   waits for it (polling, with a backoff) and runs again, instead of failing
+#   with a traceback; it gives up quietly after ``TASK_WAIT_SECONDS`` (the work
+#   is in the database: the sweep rings for it once it is back).
+#
+# Nothing here changes a message: a claim held across the outage is kept or
+# taken back by the lease rule (above), never marked failed.
+
+P = ParamSpec("P")
+
+# How long a task waits for the database before it leaves the work to the sweep.
+TASK_WAIT_SECONDS = 120.0
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """A database that is away (connection refused, lost, read-only standby), not a bug."""
+    return isinstance(exc, (OperationalError, InterfaceError))
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+class Outage:
+    """Whether this process's database is away, logged once as it starts and ends."""
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self.since: float | None = None
+        self.failures = 0
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failures += 1
+            if self.since is not None:
+                return
+            self.since = self._monotonic()
+            self.failures = 1
+        log.error("database unavailable: %s (logged once until it is back)", first_line(exc))
+
+    def recovered(self) -> None:
+        if self.since is None:  # the hot path: one attribute read
+            return
+        with self._lock:
+            if self.since is None:
+                return
+            lasted, failures = self._monotonic() - self.since, self.failures
+            self.since, self.failures = None, 0
+        log.warning(
+            "database available again after %.1f s (%d operations failed meanwhile)",
+            lasted,
+            failures,
+        )
+
+
+OUTAGE = Outage()
+
+
+def wait_for_database(deadline: float, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Poll until a connection opens (to the primary, with a multi-host
+    DATABASE_URL), with a backoff of 0.2 s to 2 s; False at ``deadline``."""
+    delay = 0.2
+    while True:
+        try:
+            connection.ensure_connection()
+            return True
+        except (OperationalError, InterfaceError) as exc:
+            OUTAGE.failed(exc)
+            drop_connection()
+        if time.monotonic() + delay > deadline:
+            return False
+        sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
+def waits_for_database(
+    task: Callable[P, T] | None = None, *, wait: float = TASK_WAIT_SECONDS
+) -> Any:
+    """Run ``task``; while the database is away, wait for it (up to ``wait``
+    seconds) and run it again. ``@waits_for_database`` or ``(wait=0)``: a
+    periodic task that only logs one line and leaves it to its next run."""
+
+    def decorate(task: Callable[P, T]) -> Callable[P, T | None]:
+        @functools.wraps(task)
+        def run(*args: P.args, **kwargs: P.kwargs) -> T | None:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    result = task(*args, **kwargs)
+                except (OperationalError, InterfaceError) as exc:
+                    OUTAGE.failed(exc)
+                    drop_connection()
+                    if not wait_for_database(deadline):
+                        log.warning(
+                            "%s: the database is away (%s); its work waits in the database",
+                            task.__name__,
+                            first_line(exc),
+                        )
+                        return None
+                    continue
+                OUTAGE.recovered()
+                return result
+
+        return run
+
+    return decorate if task is None else decorate(task)
+
+
+def retry_outages(work: Callable[[], T], may_retry: Callable[[], bool]) -> T:
+    """Run ``work``; when the database connection breaks, reconnect and run it
+    again (after 0.2 s, doubling up to 5 s) for as long as ``may_retry()`` says
+    (the owner still holds what ``work`` writes). A data error (``is_outage``:
+    a value or an index row too large, a constraint) is not an outage: it is
+    raised at once, not tried again."""
+    delay = 0.2
+    while True:
+        try:
+            result = work()
+            OUTAGE.recovered()
+            return result
+        except (OperationalError, InterfaceError) as exc:
+            if not is_outage(exc):
+                raise
+            drop_connection()
+            if not may_retry():
+                raise
+            OUTAGE.failed(exc)  # logged once per outage
+            log.debug("database unavailable (%s); trying again in %.1fs", exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
