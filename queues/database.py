@@ -45,6 +45,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import psycopg
 import psycopg.adapt
+from django.conf import settings
 from django.db import (
     DEFAULT_DB_ALIAS,
     InterfaceError,
@@ -90,6 +91,41 @@ def field_columns(model: type[models.Model], names: Sequence[str]) -> list[tuple
     return [(f.column, json_column_type(f)) for f in (meta.get_field(n) for n in names)]
 
 
+class _Prepared(psycopg.Cursor):
+    """Parameters bound by the server and the statement prepared on its
+    connection at its first run (psycopg keeps the last 100 per connection)."""
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        kwargs.setdefault("prepare", True)
+        return super().execute(query, params, **kwargs)
+
+    def _send_query_prepared(self, name: bytes, pgq: Any, *, binary: bool | None = None) -> None:
+        # psycopg notes the query it sent only when it is not prepared; Django's
+        # query log (and tests counting statements) reads it from there.
+        self._query = pgq
+        super()._send_query_prepared(name, pgq, binary=binary)
+
+
+def prepared_cursor() -> Any:
+    """A cursor for the hot paths' hand-written statements, whose text never
+    changes (ids as one array, rows as one JSON parameter): PostgreSQL parses
+    and plans each once per connection instead of at every claim, round and
+    batch (about a fifth of its time for a relayed message went to planning).
+    Django's cursor wrapper all the same: its errors, its execute wrappers, its
+    query log. ``MAILRELAY_DB_PREPARE`` off (a pooler in transaction mode
+    without prepared statements), or another database: Django's own cursor."""
+    if (
+        connection.vendor != "postgresql"
+        or not settings.MAILRELAY_DB_PREPARE
+        or connection.settings_dict["OPTIONS"].get("prepare_threshold") is None
+    ):
+        return connection.cursor()
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        return connection._prepare_cursor(_Prepared(connection.connection))
+
+
 @contextmanager
 def pipelined() -> Iterator[None]:
     """The statements run inside sent as one pipeline (PostgreSQL; psycopg's
@@ -111,7 +147,7 @@ def insert_json(
     in the caller's transaction; ``rows`` map each column to its value."""
     names = ", ".join(name for name, _ in columns)
     sql = f"INSERT INTO {table} ({names}) SELECT {names} FROM {jsonb_rows('x', columns)}"
-    with connection.cursor() as cur:
+    with prepared_cursor() as cur:
         cur.execute(sql, [jsonb_payload(rows)])
 
 
@@ -156,7 +192,7 @@ def update_json(
         + (f" AND {where}" if where else "")
         + " RETURNING t.id"
     )
-    with connection.cursor() as cur:
+    with prepared_cursor() as cur:
         cur.execute(sql, [jsonb_payload(rows), *params])
         return {row[0] for row in cur.fetchall()}
 

@@ -184,3 +184,46 @@ def test_the_bodies_read_together_are_those_asked_for_before_the_next_record():
         requests.put(item)
     assert deliver._bodies_wanted(first, backlog, requests) == [first, body2]
     assert list(backlog) == [sent] and requests.get_nowait() == body3
+
+
+def prepared() -> dict[str, int]:
+    """The statements prepared on this connection, each with the times it ran
+    (PostgreSQL counts a plan per run: generic or custom)."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
+        return dict(cur.fetchall())
+
+
+def test_the_hot_statements_are_prepared_once_per_connection_and_run_again(relay):
+    """MAILRELAY_DB_PREPARE (on by default): the categorizer's claim, its
+    placement and a round's record are parsed and planned once per connection;
+    a second batch adds no prepared statement and runs the same ones again."""
+    warm_up()
+    deliver_and_count(3, "one")
+    first = prepared()
+    claim = [text for text in first if "WITH iso AS" in text]
+    placement = [text for text in first if "unnest(" in text and "queues_recipient" in text]
+    record = [text for text in first if text.startswith("UPDATE queues_recipient AS t SET")]
+    tracking = [text for text in first if text.startswith("INSERT INTO tracking_event")]
+    assert len(claim) == 1 and len(placement) == 1 and record and len(tracking) == 1, first
+    deliver_and_count(40, "two")
+    second = prepared()
+    # The same texts for 3 and for 40 messages (the ingress's insert, one text a
+    # batch size, is prepared at its fifth run: psycopg's threshold).
+    ingress = 'WITH p AS (INSERT INTO "queues_message"'
+    assert {t for t in second if not t.startswith(ingress)} == {
+        t for t in first if not t.startswith(ingress)
+    }
+    for text in (*claim, *placement, *record, *tracking):
+        assert second[text] > first[text], text  # run again, not prepared again
+
+
+def test_with_prepare_off_the_hot_paths_prepare_nothing(relay, settings):
+    """Behind a pooler without prepared statements: nothing is prepared, and
+    the mail goes through all the same."""
+    settings.MAILRELAY_DB_PREPARE = False
+    before = prepared()
+    warm_up()
+    deliver_and_count(3, "off")
+    assert prepared() == before
+    assert relay.wait_for(4)

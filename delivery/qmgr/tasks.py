@@ -57,7 +57,7 @@ from delivery.smtp.deliver import deliver_link as deliver_link_now
 from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
-from queues.database import drop_connection, is_outage, waits_for_database
+from queues.database import drop_connection, is_outage, prepared_cursor, waits_for_database
 from queues.lib import clock
 from queues.models import (
     Attempt,
@@ -327,7 +327,7 @@ def placement_for_route(
     SELECT when the queue and its link exist and nothing needs changing, else
     ``queue_for_route`` itself."""
     if connection.vendor == "postgresql":
-        with connection.cursor() as cur:
+        with prepared_cursor() as cur:
             cur.execute(_PG_ROUTE, [link_name, delivery_type, queue_name])
             row = cur.fetchone()
         if row is not None:
@@ -518,14 +518,15 @@ _PG_TO_ROUTE = (
     "SELECT r.domain, r.id, r.address, r.message_id, m.qid, m.mail_from, m.message_id, "
     "m.client_address, m.auth_account, m.size, m.received_at, m.next_attempt_at, m.source "
     "FROM queues_recipient AS r JOIN queues_message AS m ON m.id = r.message_id "
-    "WHERE r.message_id = ANY(%s::bigint[]) AND r.state = %s ORDER BY r.id"
+    f"WHERE r.message_id = ANY(%s::bigint[]) AND r.state = '{RecipientState.SUBMITTED}' "
+    "ORDER BY r.id"
 )
 
 
 def _to_route(ids: list[int]) -> list[tuple]:
     if connection.vendor == "postgresql":
-        with connection.cursor() as cur:
-            cur.execute(_PG_TO_ROUTE, [list(ids), RecipientState.SUBMITTED])
+        with prepared_cursor() as cur:
+            cur.execute(_PG_TO_ROUTE, [list(ids)])
             return [(*row[:7], _inet(row[7]), *row[8:]) for row in cur.fetchall()]
     return list(
         Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED)

@@ -30,6 +30,7 @@ from queues.database import (
     jsonb_payload,
     jsonb_rows,
     postgresql,
+    prepared_cursor,
     retry_outages,
     update_json,
 )
@@ -92,14 +93,19 @@ RETURNING m.id, m.crash_count
 """
 
 
+# The hand-written statements are prepared (queues.database.prepared_cursor):
+# their state words are written into the text, never bound, so that the plan
+# PostgreSQL keeps for every run can use the partial indexes on those states.
+_FINAL_SQL = ", ".join(f"'{state}'" for state in FINAL_RECIPIENT_STATES)
+
 # Finish the messages of ids whose every recipient is final; (id, finished) of
 # each one not done yet (MessageQuerySet.finish_ids).
-_FINISH_SQL = """WITH live AS (SELECT id FROM queues_message
-  WHERE id = ANY(%(ids)s::bigint[]) AND state <> %(done)s),
-f AS (UPDATE queues_message AS m SET state = %(done)s, completed_at = %(now)s,
+_FINISH_SQL = f"""WITH live AS (SELECT id FROM queues_message
+  WHERE id = ANY(%(ids)s::bigint[]) AND state <> '{MessageState.DONE}'),
+f AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at = %(now)s,
   lease_owner = '', lease_until = NULL WHERE m.id IN (SELECT id FROM live) AND NOT EXISTS (
   SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id
-  AND r.state <> ALL(%(final)s::varchar[])) RETURNING m.id)
+  AND r.state NOT IN ({_FINAL_SQL})) RETURNING m.id)
 SELECT live.id, f.id IS NOT NULL FROM live LEFT JOIN f ON f.id = live.id"""
 
 
@@ -125,7 +131,7 @@ class MessageFlow(models.QuerySet):
         """
         if postgresql():
             params = {"now": now, "limit": limit, "owner": owner, "until": now + lease}
-            with connection.cursor() as cur:
+            with prepared_cursor() as cur:
                 cur.execute(_PG_CATEGORIZER_CLAIM, params)
                 return sorted(cur.fetchall())
         with transaction.atomic():
@@ -175,12 +181,13 @@ class MessageFlow(models.QuerySet):
         until the caller's transaction ends; returns their ids. The caller then
         places only their recipients, in the same transaction."""
         if postgresql():
-            with connection.cursor() as cur:
+            with prepared_cursor() as cur:
                 cur.execute(
-                    "UPDATE queues_message SET state = %s, lease_owner = '', lease_until = NULL, "
-                    "crash_count = 0, isolate = false "
-                    "WHERE id = ANY(%s::bigint[]) AND state = %s AND lease_owner = %s RETURNING id",
-                    [MessageState.QUEUED, list(ids), MessageState.CATEGORIZING, owner],
+                    f"UPDATE queues_message SET state = '{MessageState.QUEUED}', "
+                    "lease_owner = '', lease_until = NULL, crash_count = 0, isolate = false "
+                    f"WHERE id = ANY(%s::bigint[]) AND state = '{MessageState.CATEGORIZING}' "
+                    "AND lease_owner = %s RETURNING id",
+                    [list(ids), owner],
                 )
                 return sorted(row[0] for row in cur.fetchall())
         mine = sorted(
@@ -194,18 +201,14 @@ class MessageFlow(models.QuerySet):
         messages among ``ids`` (one hand-written statement on PostgreSQL)."""
         if not postgresql():
             return self.filter(id__in=ids).with_submitted_recipients().back_to_submission(now)
-        with connection.cursor() as cur:
+        with prepared_cursor() as cur:
             cur.execute(
-                "UPDATE queues_message AS m SET state = %s, next_attempt_at = %s "
-                "WHERE m.id = ANY(%s::bigint[]) AND m.state = %s AND EXISTS ("
-                "SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id AND r.state = %s)",
-                [
-                    MessageState.SUBMISSION,
-                    now,
-                    list(ids),
-                    MessageState.QUEUED,
-                    RecipientState.SUBMITTED,
-                ],
+                f"UPDATE queues_message AS m SET state = '{MessageState.SUBMISSION}', "
+                f"next_attempt_at = %s WHERE m.id = ANY(%s::bigint[]) "
+                f"AND m.state = '{MessageState.QUEUED}' AND EXISTS (SELECT 1 "
+                "FROM queues_recipient AS r WHERE r.message_id = m.id "
+                f"AND r.state = '{RecipientState.SUBMITTED}')",
+                [now, list(ids)],
             )
             return cur.rowcount
 
@@ -216,10 +219,8 @@ class MessageFlow(models.QuerySet):
             return 0
         if not postgresql():
             return self.filter(id__in=ids).finish(now)
-        with connection.cursor() as cur:
-            final = [str(state) for state in FINAL_RECIPIENT_STATES]
-            done = MessageState.DONE
-            cur.execute(_FINISH_SQL, {"ids": ids, "done": done, "now": now, "final": final})
+        with prepared_cursor() as cur:
+            cur.execute(_FINISH_SQL, {"ids": ids, "now": now})
             rows = cur.fetchall()
         if again:
             self.finish_after_commit([mid for mid, finished in rows if not finished], now)
@@ -350,8 +351,8 @@ class RecipientFlow(models.QuerySet):
                     seen.add(mid)
                     total += size
                 ids.append(rid)
-            if ids:
-                self.filter(id__in=ids).update(
+            if ids:  # the ids as one array: one statement text for every round size
+                self.filter(id__any=ids).update(
                     state=RecipientState.ACTIVE, lease_owner=owner, lease_until=now + lease
                 )
         return ids
@@ -364,19 +365,13 @@ class RecipientFlow(models.QuerySet):
         if not placements:
             return 0
         if postgresql():
-            with connection.cursor() as cur:
+            with prepared_cursor() as cur:
                 cur.execute(
-                    "UPDATE queues_recipient AS r SET queue_id = v.queue_id, state = %s, "
-                    "next_attempt_at = %s "
+                    "UPDATE queues_recipient AS r SET queue_id = v.queue_id, "
+                    f"state = '{RecipientState.QUEUED}', next_attempt_at = %s "
                     "FROM unnest(%s::bigint[], %s::bigint[]) AS v(id, queue_id) "
-                    "WHERE r.id = v.id AND r.state = %s",
-                    [
-                        RecipientState.QUEUED,
-                        now,
-                        [rid for rid, _ in placements],
-                        [qid for _, qid in placements],
-                        RecipientState.SUBMITTED,
-                    ],
+                    f"WHERE r.id = v.id AND r.state = '{RecipientState.SUBMITTED}'",
+                    [now, [rid for rid, _ in placements], [qid for _, qid in placements]],
                 )
                 return cur.rowcount
         by_queue: dict[int, list[int]] = {}
@@ -434,8 +429,8 @@ class RecipientFlow(models.QuerySet):
             self.model._meta.db_table,
             columns,
             batch,
-            where="t.state = %s AND t.lease_owner = %s",
-            params=[RecipientState.ACTIVE, owner],
+            where=f"t.state = '{RecipientState.ACTIVE}' AND t.lease_owner = %s",
+            params=[owner],
         )
 
     def record_delivered(
@@ -447,10 +442,10 @@ class RecipientFlow(models.QuerySet):
         Returns how to read the rows written, once the caller's transaction
         committed; reading them checks again the messages it could not finish
         (``MessageQuerySet.finish_after_commit``)."""
-        ids, final = [a["recipient_id"] for a in attempts], list(FINAL_RECIPIENT_STATES)
+        ids = [a["recipient_id"] for a in attempts]
         params = {"rows": jsonb_payload(attempts), "ids": ids, "owner": owner, "now": now}
-        cur = connection.cursor()
-        cur.execute(_record_delivered_sql(), params | {"final": final})
+        cur = prepared_cursor()
+        cur.execute(_record_delivered_sql(), params)
 
         def written() -> list[Delivered]:
             rows = [
@@ -543,7 +538,7 @@ m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at
   lease_owner = '', lease_until = NULL
   WHERE m.id IN (SELECT message_id FROM r) AND m.state <> '{MessageState.DONE}' AND NOT EXISTS (
   SELECT 1 FROM queues_recipient AS x WHERE x.message_id = m.id
-  AND x.state <> ALL(%(final)s::varchar[]) AND x.id NOT IN (SELECT id FROM r))
+  AND x.state NOT IN ({_FINAL_SQL}) AND x.id NOT IN (SELECT id FROM r))
   RETURNING m.id)
 SELECT id, message_id, queue_id, address, message_id IN (SELECT id FROM m) FROM r"""
 
