@@ -518,15 +518,14 @@ _PG_TO_ROUTE = (
     "SELECT r.domain, r.id, r.address, r.message_id, m.qid, m.mail_from, m.message_id, "
     "m.client_address, m.auth_account, m.size, m.received_at, m.next_attempt_at, m.source "
     "FROM queues_recipient AS r JOIN queues_message AS m ON m.id = r.message_id "
-    f"WHERE r.message_id = ANY(%s::bigint[]) AND r.state = '{RecipientState.SUBMITTED}' "
-    "ORDER BY r.id"
+    "WHERE r.message_id = ANY(%s::bigint[]) AND r.state = %s ORDER BY r.id"
 )
 
 
 def _to_route(ids: list[int]) -> list[tuple]:
     if connection.vendor == "postgresql":
         with prepared_cursor() as cur:
-            cur.execute(_PG_TO_ROUTE, [list(ids)])
+            cur.execute(_PG_TO_ROUTE, [list(ids), RecipientState.SUBMITTED])
             return [(*row[:7], _inet(row[7]), *row[8:]) for row in cur.fetchall()]
     return list(
         Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED)

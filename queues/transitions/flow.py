@@ -93,19 +93,18 @@ RETURNING m.id, m.crash_count
 """
 
 
-# The hand-written statements are prepared (queues.database.prepared_cursor):
-# their state words are written into the text, never bound, so that the plan
-# PostgreSQL keeps for every run can use the partial indexes on those states.
-_FINAL_SQL = ", ".join(f"'{state}'" for state in FINAL_RECIPIENT_STATES)
+# Run prepared (queues.database.prepared_cursor): state words are bound, so a kept generic
+# plan goes by the ids (primary key, message_id index), not by a partial index on a state
+# small when planned and holding every live row under load; only the claim names its state.
 
 # Finish the messages of ids whose every recipient is final; (id, finished) of
 # each one not done yet (MessageQuerySet.finish_ids).
-_FINISH_SQL = f"""WITH live AS (SELECT id FROM queues_message
-  WHERE id = ANY(%(ids)s::bigint[]) AND state <> '{MessageState.DONE}'),
-f AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at = %(now)s,
+_FINISH_SQL = """WITH live AS (SELECT id FROM queues_message
+  WHERE id = ANY(%(ids)s::bigint[]) AND state <> %(done)s),
+f AS (UPDATE queues_message AS m SET state = %(done)s, completed_at = %(now)s,
   lease_owner = '', lease_until = NULL WHERE m.id IN (SELECT id FROM live) AND NOT EXISTS (
   SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id
-  AND r.state NOT IN ({_FINAL_SQL})) RETURNING m.id)
+  AND r.state <> ALL(%(final)s::varchar[])) RETURNING m.id)
 SELECT live.id, f.id IS NOT NULL FROM live LEFT JOIN f ON f.id = live.id"""
 
 
@@ -183,11 +182,10 @@ class MessageFlow(models.QuerySet):
         if postgresql():
             with prepared_cursor() as cur:
                 cur.execute(
-                    f"UPDATE queues_message SET state = '{MessageState.QUEUED}', "
-                    "lease_owner = '', lease_until = NULL, crash_count = 0, isolate = false "
-                    f"WHERE id = ANY(%s::bigint[]) AND state = '{MessageState.CATEGORIZING}' "
-                    "AND lease_owner = %s RETURNING id",
-                    [list(ids), owner],
+                    "UPDATE queues_message SET state = %s, lease_owner = '', lease_until = NULL, "
+                    "crash_count = 0, isolate = false "
+                    "WHERE id = ANY(%s::bigint[]) AND state = %s AND lease_owner = %s RETURNING id",
+                    [MessageState.QUEUED, list(ids), MessageState.CATEGORIZING, owner],
                 )
                 return sorted(row[0] for row in cur.fetchall())
         mine = sorted(
@@ -203,12 +201,16 @@ class MessageFlow(models.QuerySet):
             return self.filter(id__in=ids).with_submitted_recipients().back_to_submission(now)
         with prepared_cursor() as cur:
             cur.execute(
-                f"UPDATE queues_message AS m SET state = '{MessageState.SUBMISSION}', "
-                f"next_attempt_at = %s WHERE m.id = ANY(%s::bigint[]) "
-                f"AND m.state = '{MessageState.QUEUED}' AND EXISTS (SELECT 1 "
-                "FROM queues_recipient AS r WHERE r.message_id = m.id "
-                f"AND r.state = '{RecipientState.SUBMITTED}')",
-                [now, list(ids)],
+                "UPDATE queues_message AS m SET state = %s, next_attempt_at = %s "
+                "WHERE m.id = ANY(%s::bigint[]) AND m.state = %s AND EXISTS ("
+                "SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id AND r.state = %s)",
+                [
+                    MessageState.SUBMISSION,
+                    now,
+                    list(ids),
+                    MessageState.QUEUED,
+                    RecipientState.SUBMITTED,
+                ],
             )
             return cur.rowcount
 
@@ -220,7 +222,9 @@ class MessageFlow(models.QuerySet):
         if not postgresql():
             return self.filter(id__in=ids).finish(now)
         with prepared_cursor() as cur:
-            cur.execute(_FINISH_SQL, {"ids": ids, "now": now})
+            final = [str(state) for state in FINAL_RECIPIENT_STATES]
+            done = MessageState.DONE
+            cur.execute(_FINISH_SQL, {"ids": ids, "done": done, "now": now, "final": final})
             rows = cur.fetchall()
         if again:
             self.finish_after_commit([mid for mid, finished in rows if not finished], now)
@@ -367,11 +371,17 @@ class RecipientFlow(models.QuerySet):
         if postgresql():
             with prepared_cursor() as cur:
                 cur.execute(
-                    "UPDATE queues_recipient AS r SET queue_id = v.queue_id, "
-                    f"state = '{RecipientState.QUEUED}', next_attempt_at = %s "
+                    "UPDATE queues_recipient AS r SET queue_id = v.queue_id, state = %s, "
+                    "next_attempt_at = %s "
                     "FROM unnest(%s::bigint[], %s::bigint[]) AS v(id, queue_id) "
-                    f"WHERE r.id = v.id AND r.state = '{RecipientState.SUBMITTED}'",
-                    [now, [rid for rid, _ in placements], [qid for _, qid in placements]],
+                    "WHERE r.id = v.id AND r.state = %s",
+                    [
+                        RecipientState.QUEUED,
+                        now,
+                        [rid for rid, _ in placements],
+                        [qid for _, qid in placements],
+                        RecipientState.SUBMITTED,
+                    ],
                 )
                 return cur.rowcount
         by_queue: dict[int, list[int]] = {}
@@ -429,8 +439,8 @@ class RecipientFlow(models.QuerySet):
             self.model._meta.db_table,
             columns,
             batch,
-            where=f"t.state = '{RecipientState.ACTIVE}' AND t.lease_owner = %s",
-            params=[owner],
+            where="t.state = %s AND t.lease_owner = %s",
+            params=[RecipientState.ACTIVE, owner],
         )
 
     def record_delivered(
@@ -442,10 +452,10 @@ class RecipientFlow(models.QuerySet):
         Returns how to read the rows written, once the caller's transaction
         committed; reading them checks again the messages it could not finish
         (``MessageQuerySet.finish_after_commit``)."""
-        ids = [a["recipient_id"] for a in attempts]
+        ids, final = [a["recipient_id"] for a in attempts], list(FINAL_RECIPIENT_STATES)
         params = {"rows": jsonb_payload(attempts), "ids": ids, "owner": owner, "now": now}
         cur = prepared_cursor()
-        cur.execute(_record_delivered_sql(), params)
+        cur.execute(_record_delivered_sql(), params | {"final": final} | _RECORD_STATES)
 
         def written() -> list[Delivered]:
             rows = [
@@ -515,6 +525,13 @@ def _apply(
     return row
 
 
+_RECORD_STATES = {
+    "active": RecipientState.ACTIVE,
+    "delivered": RecipientState.DELIVERED,
+    "done": MessageState.DONE,
+}
+
+
 @cache
 def _record_delivered_sql() -> str:
     """``record_delivered``'s statement (the Attempt columns but its queue)."""
@@ -524,21 +541,21 @@ def _record_delivered_sql() -> str:
     columns = field_columns(attempt, names)
     return f"""
 WITH v AS (SELECT * FROM {jsonb_rows("v", [*columns, ("last_host", "text")], "%(rows)s")}),
-r AS (UPDATE queues_recipient AS t SET state = '{RecipientState.DELIVERED}',
+r AS (UPDATE queues_recipient AS t SET state = %(delivered)s,
   attempt_count = t.attempt_count + 1, last_attempt_at = v.started_at, last_code = v.code,
   last_enhanced = v.enhanced, last_text = v.text, last_host = v.last_host,
   lease_owner = '', lease_until = NULL, final_at = %(now)s
   FROM v WHERE t.id = ANY(%(ids)s::bigint[]) AND t.id = v.recipient_id
-  AND t.state = '{RecipientState.ACTIVE}' AND t.lease_owner = %(owner)s
+  AND t.state = %(active)s AND t.lease_owner = %(owner)s
   RETURNING t.id, t.message_id, t.queue_id, t.address),
 a AS (INSERT INTO {attempt._meta.db_table} ({", ".join(c for c, _ in columns)}, queue_id)
   SELECT {", ".join("v." + c for c, _ in columns)}, t.queue_id
   FROM v JOIN queues_recipient AS t ON t.id = ANY(%(ids)s::bigint[]) AND t.id = v.recipient_id),
-m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at = %(now)s,
+m AS (UPDATE queues_message AS m SET state = %(done)s, completed_at = %(now)s,
   lease_owner = '', lease_until = NULL
-  WHERE m.id IN (SELECT message_id FROM r) AND m.state <> '{MessageState.DONE}' AND NOT EXISTS (
+  WHERE m.id IN (SELECT message_id FROM r) AND m.state <> %(done)s AND NOT EXISTS (
   SELECT 1 FROM queues_recipient AS x WHERE x.message_id = m.id
-  AND x.state NOT IN ({_FINAL_SQL}) AND x.id NOT IN (SELECT id FROM r))
+  AND x.state <> ALL(%(final)s::varchar[]) AND x.id NOT IN (SELECT id FROM r))
   RETURNING m.id)
 SELECT id, message_id, queue_id, address, message_id IN (SELECT id FROM m) FROM r"""
 
