@@ -5,6 +5,7 @@ applies (which key: the process's ``KeyStore`` here; the keys and the crypto:
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -12,9 +13,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from email.utils import format_datetime
+from typing import TypeVar
 
 from django.conf import settings
 from django.db import Error, IntegrityError, InterfaceError, OperationalError, connection
+from django.db.models import Field, Model
 
 from queues import dkim, lib
 from queues.bulk import insert_many_with_children, insert_with_children
@@ -31,6 +34,8 @@ from queues.models import (
 )
 
 log = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=Model)
 
 _B32 = "0123456789BCDFGHJKLMNPQRSTVWXYZ"  # no vowels: ids never spell words
 
@@ -245,6 +250,38 @@ def _dkim_failed(message: Message, error: str) -> None:
         log.warning("%s: could not record the DKIM failure event", message.qid, exc_info=True)
 
 
+@functools.cache
+def _row_template(model: type[Model]) -> tuple[dict[str, int], list[object], tuple[Field, ...]]:
+    """``new_row``'s plan for ``model``: each concrete field's position, the default
+    of each field whose default is a constant, the fields whose default is made
+    per row (a callable, a database default's expression)."""
+    fields = model._meta.concrete_fields
+    if any(f.generated for f in fields):
+        return {}, [], ()  # Django leaves a generated field unset: keywords only
+    called = tuple(
+        f for f in fields if (f.has_default() and callable(f.default)) or f.has_db_default()
+    )
+    template = [None if f in called else f.get_default() for f in fields]
+    return {f.attname: i for i, f in enumerate(fields)}, template, called
+
+
+def new_row(model: type[ModelT], **values: object) -> ModelT:
+    """``model(**values)`` (``values`` by attname), built through Django's positional
+    path, the one ``from_db`` takes: every field's value in order, the defaults
+    filled in here, instead of a keyword looked up (and a KeyError raised for
+    each default) per field. The same instance, at about half the CPU."""
+    index, template, called = _row_template(model)
+    if not index or not values.keys() <= index.keys():
+        return model(**values)
+    args = template.copy()
+    for field in called:
+        if field.attname not in values:
+            args[index[field.attname]] = field.get_default()
+    for name, value in values.items():
+        args[index[name]] = value
+    return model(*args)
+
+
 @dataclass
 class PreparedMessage:
     """A message ready to insert: its row, its recipients' rows, its data pieces."""
@@ -264,7 +301,8 @@ def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedM
     prefix, message_id, subject = build_prefix(env, data, qid)
     # Signed once, here, where the body is in memory already (queues.dkim).
     signature, dkim_error = _dkim_signature(qid, prefix, data) if env.dkim_sign else (b"", "")
-    message = Message(
+    message = new_row(
+        Message,
         qid=qid,
         state=MessageState.SUBMISSION,
         source=env.source,
@@ -287,7 +325,8 @@ def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedM
         auth_account=env.auth_account,
     )
     recipients = [
-        Recipient(
+        new_row(
+            Recipient,
             address=rcpt.address,
             domain=recipient_domain(rcpt.address),
             orcpt=rcpt.orcpt,
