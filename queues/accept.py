@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from email.utils import format_datetime
 from typing import TypeVar
 
@@ -112,6 +113,27 @@ def _received_header(env: IncomingEnvelope, qid: str, when: str) -> bytes:
     return (line + f"; {when}\r\n").encode("utf-8", "surrogateescape")
 
 
+_last_date: tuple[datetime, str] | None = None  # (a second, format_datetime of it)
+
+
+def _date_field(now: datetime) -> str:
+    """``format_datetime(now)``, made once per second: it has no fraction of a
+    second, and every message of that second (on any database thread) shares it."""
+    global _last_date
+    second = now.replace(microsecond=0)
+    last = _last_date  # one read: another thread may replace it meanwhile
+    if (
+        last is not None
+        and last[0] == second
+        and last[0].tzinfo is second.tzinfo
+        and last[0].fold == second.fold
+    ):
+        return last[1]
+    text = format_datetime(now)
+    _last_date = (second, text)
+    return text
+
+
 def build_prefix(
     env: IncomingEnvelope, data: bytes | bytearray, qid: str
 ) -> tuple[bytes, str, str]:
@@ -120,7 +142,7 @@ def build_prefix(
     Returns the prefix, the Message-ID and the Subject.
     """
     info = inspect_headers(data)
-    when = format_datetime(clock.now())
+    when = _date_field(clock.now())
     prefix = _received_header(env, qid, when)
     message_id = info.message_id
     if not message_id:

@@ -488,6 +488,28 @@ def _settle_on_loop(future: asyncio.Future, settle: Callable[[Any], None], value
 
 Job = tuple[concurrent.futures.Future | LoopReply, Any, Any]  # (reply, envelope, data)
 
+
+def _answer(batch: Sequence[Job], results: Sequence[object]) -> bool:
+    """Hand each job of a stored batch its result; True if one failed. Replies on a loop
+    go in one callback per loop, in order: one wake-up of it per batch, not per message."""
+    on_loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, object]]] = {}
+    for (reply, _e, _d), result in zip(batch, results, strict=True):
+        if isinstance(reply, LoopReply):
+            on_loops.setdefault(reply.loop, []).append((reply.future, result))
+        else:
+            (reply.set_exception if isinstance(result, BaseException) else reply.set_result)(result)
+    for loop, answers in on_loops.items():
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_answer_on_loop, answers)
+    return any(isinstance(result, BaseException) for result in results)
+
+
+def _answer_on_loop(answers: list[tuple[asyncio.Future, object]]) -> None:
+    for future, result in answers:
+        failed = isinstance(result, BaseException)
+        _settle_on_loop(future, future.set_exception if failed else future.set_result, result)
+
+
 # PostgreSQL takes at most 65535 parameters in one statement; a batch's INSERT
 # (queues.bulk.insert_many_with_children) sends one per column of each message
 # and of each recipient. Kept under that with room: a batch of four messages of
@@ -611,13 +633,7 @@ class GroupCommitter:
         with self._count_lock:
             self.batches += 1
             self.messages += len(batch)
-        failed = False
-        for (future, _e, _d), result in zip(batch, results, strict=True):
-            if isinstance(result, BaseException):
-                failed = True
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+        failed = _answer(batch, results)
         if failed or size >= RELEASE_CONNECTION_ABOVE:
             self._close_connection()
 
