@@ -10,8 +10,8 @@ in ``RelayHandler`` here. Settings are read once, into ``config.InboundConfig``.
 
 Hot path per message: the data checked (``session``'s checks: bare line
 endings, the header's limits, hops, an account's header sender), the message
-prepared (ids, headers, DKIM signature: ``prepare_message``) in a database
-thread, then handed to the group committer (``GroupCommitter``, below:
+prepared (ids, headers, DKIM signature: ``prepare_message``; in a database
+thread when it signs), then handed to the group committer (``GroupCommitter``, below:
 the messages of every session waiting at that moment in one statement and one
 transaction, in a committer thread), the reply once its transaction
 committed, then a coalesced ring of the categorizer. The other database calls
@@ -79,6 +79,7 @@ from queues.accept import (
     prepare_message,
     prepared_accept,
     prepared_accept_many,
+    prepares_alone,
 )
 from queues.dberrors import drop_connection
 from queues.models import MessageSource
@@ -90,7 +91,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_DB_THREADS = 8
-# A database thread reconnects after storing a message this large (see _store).
+# A committer thread reconnects after storing this much (_store, GroupCommitter._commit).
 RELEASE_CONNECTION_ABOVE = 8 * 1024 * 1024
 
 
@@ -331,18 +332,20 @@ class InboundServer:
         """Prepare and commit a message (group commit, ``groupcommit``); ring
         the categorizer after it.
 
-        The message is prepared first (queue id, headers, DKIM signature) in
-        a database thread of this session's own, so its signing, however
-        long, holds up no other session: the committer threads, which every
-        session's commit waits on, only insert. The commit runs to its end
-        even if the client goes away meanwhile (shielded), and the ring
-        follows every commit, replied to or not. The queue id comes back only
-        once the message's transaction committed.
+        The message is prepared first (queue id, headers, DKIM signature): with
+        a signature to make, in a database thread of the session's own, so the
+        signing holds up no other session (the committer threads only insert);
+        else on the loop (``prepares_alone``). The commit runs to its end even
+        if the client goes away (shielded), and the ring follows every commit,
+        replied to or not. The queue id comes back once its transaction committed.
         """
         assert self.loop is not None and self._committer is not None
         self.uncommitted.value += 1  # received, not committed: from now on (loop only)
         try:
-            prepared = await self.in_database(prepare_message, envelope, data)
+            if prepares_alone(envelope):  # nothing to sign: no thread and back for it
+                prepared = prepare_message(envelope, data)
+            else:
+                prepared = await self.in_database(prepare_message, envelope, data)
             assert isinstance(prepared, PreparedMessage)
             future = self._committer.submit_on(self.loop, prepared, data)
         except BaseException:
@@ -451,9 +454,6 @@ class InboundServer:
 DEFAULT_COMMIT_THREADS = 2
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # a batch holds at most this much message data
-# A committer thread reconnects after a batch of RELEASE_CONNECTION_ABOVE bytes
-# (above): libpq's send buffer grows to the statement's size and is only freed
-# with the connection.
 
 
 class LoopReply:
