@@ -5,16 +5,20 @@ applies (which key: the process's ``KeyStore`` here; the keys and the crypto:
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from email.utils import format_datetime
+from typing import TypeVar
 
 from django.conf import settings
 from django.db import Error, IntegrityError, InterfaceError, OperationalError, connection
+from django.db.models import Field, Model
 
 from queues import dkim, lib
 from queues.database import (
@@ -35,6 +39,8 @@ from queues.models import (
 )
 
 log = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=Model)
 
 _B32 = "0123456789BCDFGHJKLMNPQRSTVWXYZ"  # no vowels: ids never spell words
 
@@ -111,6 +117,27 @@ def _received_header(env: IncomingEnvelope, qid: str, when: str) -> bytes:
     return (line + f"; {when}\r\n").encode("utf-8", "surrogateescape")
 
 
+_last_date: tuple[datetime, str] | None = None  # (a second, format_datetime of it)
+
+
+def _date_field(now: datetime) -> str:
+    """``format_datetime(now)``, made once per second: it has no fraction of a
+    second, and every message of that second (on any database thread) shares it."""
+    global _last_date
+    second = now.replace(microsecond=0)
+    last = _last_date  # one read: another thread may replace it meanwhile
+    if (
+        last is not None
+        and last[0] == second
+        and last[0].tzinfo is second.tzinfo
+        and last[0].fold == second.fold
+    ):
+        return last[1]
+    text = format_datetime(now)
+    _last_date = (second, text)
+    return text
+
+
 def build_prefix(
     env: IncomingEnvelope, data: bytes | bytearray, qid: str
 ) -> tuple[bytes, str, str]:
@@ -119,7 +146,7 @@ def build_prefix(
     Returns the prefix, the Message-ID and the Subject.
     """
     info = inspect_headers(data)
-    when = format_datetime(clock.now())
+    when = _date_field(clock.now())
     prefix = _received_header(env, qid, when)
     message_id = info.message_id
     if not message_id:
@@ -156,6 +183,14 @@ class KeyStore:
         with self._lock:  # one reload for all the ingress's database threads
             if self._loaded_at is None or now - self._loaded_at >= self.refresh:
                 self._reload(now)
+        return self._keys
+
+    def loaded_keys(self) -> dict[str, dkim.SigningKey] | None:
+        """The keys if they need no reload now (``keys`` would not read the
+        database or the files), else None."""
+        loaded_at = self._loaded_at
+        if loaded_at is None or time.monotonic() - loaded_at >= self.refresh:
+            return None
         return self._keys
 
     def _reload(self, now: float) -> None:
@@ -249,6 +284,46 @@ def _dkim_failed(message: Message, error: str) -> None:
         log.warning("%s: could not record the DKIM failure event", message.qid, exc_info=True)
 
 
+def prepares_alone(env: IncomingEnvelope) -> bool:
+    """Whether ``prepare_message(env, …)`` needs neither the database nor a DKIM
+    signature: no signing asked, or the DKIM keys loaded and there are none. It
+    is then a few dozen microseconds of Python, which the SMTP ingress runs on
+    its event loop instead of handing it to a database thread and back."""
+    return not env.dkim_sign or key_store().loaded_keys() == {}
+
+
+@functools.cache
+def _row_template(model: type[Model]) -> tuple[dict[str, int], list[object], tuple[Field, ...]]:
+    """``new_row``'s plan for ``model``: each concrete field's position, the default
+    of each field whose default is a constant, the fields whose default is made
+    per row (a callable, a database default's expression)."""
+    fields = model._meta.concrete_fields
+    if any(f.generated for f in fields):
+        return {}, [], ()  # Django leaves a generated field unset: keywords only
+    called = tuple(
+        f for f in fields if (f.has_default() and callable(f.default)) or f.has_db_default()
+    )
+    template = [None if f in called else f.get_default() for f in fields]
+    return {f.attname: i for i, f in enumerate(fields)}, template, called
+
+
+def new_row(model: type[ModelT], **values: object) -> ModelT:
+    """``model(**values)`` (``values`` by attname), built through Django's positional
+    path, the one ``from_db`` takes: every field's value in order, the defaults
+    filled in here, instead of a keyword looked up (and a KeyError raised for
+    each default) per field. The same instance, at about half the CPU."""
+    index, template, called = _row_template(model)
+    if not index or not values.keys() <= index.keys():
+        return model(**values)
+    args = template.copy()
+    for field in called:
+        if field.attname not in values:
+            args[index[field.attname]] = field.get_default()
+    for name, value in values.items():
+        args[index[name]] = value
+    return model(*args)
+
+
 @dataclass
 class PreparedMessage:
     """A message ready to insert: its row, its recipients' rows, its data pieces."""
@@ -268,7 +343,8 @@ def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedM
     prefix, message_id, subject = build_prefix(env, data, qid)
     # Signed once, here, where the body is in memory already (queues.dkim).
     signature, dkim_error = _dkim_signature(qid, prefix, data) if env.dkim_sign else (b"", "")
-    message = Message(
+    message = new_row(
+        Message,
         qid=qid,
         state=MessageState.SUBMISSION,
         source=env.source,
@@ -291,7 +367,8 @@ def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedM
         auth_account=env.auth_account,
     )
     recipients = [
-        Recipient(
+        new_row(
+            Recipient,
             address=rcpt.address,
             domain=recipient_domain(rcpt.address),
             orcpt=rcpt.orcpt,

@@ -225,13 +225,52 @@ def bulk_update_rows(rows: Sequence[models.Model], fields: Sequence[str]) -> Non
         cursor.execute(sql, params)
 
 
+_NONE = type(None)
+_DJANGO = frozenset[type]()  # every value through the field's get_db_prep_save
+# The field classes (exactly these, not subclasses) whose get_db_prep_save hands
+# PostgreSQL the very object it is given when the value is of one of these exact
+# types: their to_python/get_prep_value return it unchanged (an aware datetime:
+# no naive-time warning; PostgreSQL's adapt_datetimefield_value returns it). The
+# value is then added as it is, without the field's three calls per value.
+# Integers are not among them: PostgreSQL's adapt_integerfield_value wraps them.
+_AS_IS_TYPES: dict[type[models.Field], frozenset[type]] = {
+    models.CharField: frozenset({str, _NONE}),
+    models.TextField: frozenset({str, _NONE}),
+    models.BooleanField: frozenset({bool, _NONE}),
+    models.DateTimeField: frozenset({datetime, _NONE}),
+    models.IntegerField: frozenset({_NONE}),
+    models.BigIntegerField: frozenset({_NONE}),
+    models.PositiveIntegerField: frozenset({_NONE}),
+    models.PositiveSmallIntegerField: frozenset({_NONE}),
+}
+
+
+def _as_is_types(fields: Sequence[models.Field], vendor: str) -> tuple[frozenset[type], ...]:
+    """For each field, the value types it sends as they are (``_AS_IS_TYPES``; PostgreSQL)."""
+    if vendor != "postgresql":
+        return tuple(_DJANGO for _ in fields)
+    return tuple(_AS_IS_TYPES.get(type(f), _DJANGO) for f in fields)
+
+
+def _db_value(
+    field: models.Field, as_is: frozenset[type], value: object, db: BaseDatabaseWrapper
+) -> object:
+    """``field.get_db_prep_save(value, db)``: the value itself when that is what it returns."""
+    kind = type(value)
+    if kind in as_is and (kind is not datetime or value.utcoffset() is not None):  # type: ignore[attr-defined]
+        return value
+    return field.get_db_prep_save(value, db)
+
+
 @dataclass(frozen=True)
 class _InsertShape:
     """The fields and SQL pieces of a parent-with-children insert, built once per model pair."""
 
     parent_fields: tuple[models.Field, ...]
     parent_text_fields: frozenset[str]  # sent as text (GenericIPAddressField)
+    parent_as_is: tuple[frozenset[type], ...]  # of each parent field: _as_is_types
     child_fields: tuple[models.Field, ...]
+    child_as_is: tuple[frozenset[type], ...]
     parent_table: str
     parent_columns: str
     pk_column: str
@@ -261,7 +300,9 @@ def _shape(model: type[models.Model], child_model: type[models.Model], fk: str) 
             parent_text_fields=frozenset(
                 f.name for f in parent_fields if isinstance(f, models.GenericIPAddressField)
             ),
+            parent_as_is=_as_is_types(parent_fields, connection.vendor),
             child_fields=child_fields,
+            child_as_is=_as_is_types(child_fields, connection.vendor),
             parent_table=quote(meta.db_table),
             parent_columns=", ".join(quote(f.column) for f in parent_fields),
             pk_column=quote(meta.pk.column),
@@ -311,7 +352,7 @@ def _parent_row(
     CPU that storing a message took in a batch of five).
     """
     placeholders = []
-    for f in shape.parent_fields:
+    for f, as_is in zip(shape.parent_fields, shape.parent_as_is, strict=True):
         pieces = parts.get(f.name)
         if pieces is not None:
             placeholders.append("(" + " || ".join(params.add(p) for p in pieces) + ")")
@@ -322,7 +363,7 @@ def _parent_row(
             placeholders.append(params.add(getattr(parent, f.attname) or None))
         else:
             # typed by the column it is inserted into
-            placeholders.append(params.add(f.get_db_prep_save(getattr(parent, f.attname), db)))
+            placeholders.append(params.add(_db_value(f, as_is, getattr(parent, f.attname), db)))
     return "(" + ", ".join(placeholders) + ")"
 
 
@@ -333,7 +374,10 @@ def _child_row(
     db: BaseDatabaseWrapper,
     key: str = "",
 ) -> str:
-    values = [f.get_db_prep_save(getattr(child, f.attname), db) for f in shape.child_fields]
+    values = [
+        _db_value(f, as_is, getattr(child, f.attname), db)
+        for f, as_is in zip(shape.child_fields, shape.child_as_is, strict=True)
+    ]
     row = params.row(values, shape.child_casts)
     return "(" + key + ", " + row[1:] if key else row
 

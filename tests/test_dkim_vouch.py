@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import smtplib
+from datetime import timedelta
 from pathlib import Path
 
 import dkim as dkimpy
@@ -209,3 +210,25 @@ def test_our_own_dsn_is_signed(keys, settings):
     report = notify(dsn.FAILURE, original, list(original.recipients.all()), reason="gone")
     assert report is not None
     assert signing_domain(report) == "relay.test" and verifies(report, keys)
+
+
+# ------------------------------------------------------------ where a message is prepared
+
+
+def test_only_a_message_nothing_can_sign_is_prepared_on_the_ingress_loop(keys, settings):
+    # accept.prepares_alone: the ingress prepares a message on its event loop
+    # only when that needs neither the database nor a signature.
+    unsigned = IncomingEnvelope("a@example.com", [IncomingRecipient("b@example.net")])
+    signed = IncomingEnvelope("a@example.com", [IncomingRecipient("b@example.net")], dkim_sign=True)
+    assert accept.prepares_alone(unsigned)
+    assert not accept.prepares_alone(signed)  # the keys are not loaded yet: a reload
+    assert accept.key_store().keys()
+    assert not accept.prepares_alone(signed)  # keys to sign with: a database thread
+    settings.MAILRELAY_DKIM_KEYS_DIR = ""
+    accept.reset_key_store()
+    assert accept.key_store().keys() == {}
+    assert accept.prepares_alone(signed)  # no key at all, loaded: nothing to sign
+    settings.MAILRELAY_DKIM_KEY_REFRESH = timedelta(0)
+    accept.reset_key_store()
+    accept.key_store().keys()
+    assert not accept.prepares_alone(signed)  # due for a reload: a database thread

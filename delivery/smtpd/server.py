@@ -10,8 +10,8 @@ in ``RelayHandler`` here. Settings are read once, into ``config.InboundConfig``.
 
 Hot path per message: the data checked (``session``'s checks: bare line
 endings, the header's limits, hops, an account's header sender), the message
-prepared (ids, headers, DKIM signature: ``prepare_message``) in a database
-thread, then handed to the group committer (``GroupCommitter``, below:
+prepared (ids, headers, DKIM signature: ``prepare_message``; in a database
+thread when it signs), then handed to the group committer (``GroupCommitter``, below:
 the messages of every session waiting at that moment in one statement and one
 transaction, in a committer thread), the reply once its transaction
 committed, then a coalesced ring of the categorizer. The other database calls
@@ -78,6 +78,7 @@ from queues.accept import (
     prepare_message,
     prepared_accept,
     prepared_accept_many,
+    prepares_alone,
 )
 from queues.database import OUTAGE, drop_connection, first_line, is_unavailable
 from queues.models import MessageSource
@@ -89,7 +90,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_DB_THREADS = 8
-# A database thread reconnects after storing a message this large (see _store).
+# A committer thread reconnects after storing this much (_store, GroupCommitter._commit).
 RELEASE_CONNECTION_ABOVE = 8 * 1024 * 1024
 
 
@@ -330,18 +331,20 @@ class InboundServer:
         """Prepare and commit a message (group commit, ``groupcommit``); ring
         the categorizer after it.
 
-        The message is prepared first (queue id, headers, DKIM signature) in
-        a database thread of this session's own, so its signing, however
-        long, holds up no other session: the committer threads, which every
-        session's commit waits on, only insert. The commit runs to its end
-        even if the client goes away meanwhile (shielded), and the ring
-        follows every commit, replied to or not. The queue id comes back only
-        once the message's transaction committed.
+        The message is prepared first (queue id, headers, DKIM signature): with
+        a signature to make, in a database thread of the session's own, so the
+        signing holds up no other session (the committer threads only insert);
+        else on the loop (``prepares_alone``). The commit runs to its end even
+        if the client goes away (shielded), and the ring follows every commit,
+        replied to or not. The queue id comes back once its transaction committed.
         """
         assert self.loop is not None and self._committer is not None
         self.uncommitted.value += 1  # received, not committed: from now on (loop only)
         try:
-            prepared = await self.in_database(prepare_message, envelope, data)
+            if prepares_alone(envelope):  # nothing to sign: no thread and back for it
+                prepared = prepare_message(envelope, data)
+            else:
+                prepared = await self.in_database(prepare_message, envelope, data)
             assert isinstance(prepared, PreparedMessage)
             future = self._committer.submit_on(self.loop, prepared, data)
         except BaseException:
@@ -450,9 +453,6 @@ class InboundServer:
 DEFAULT_COMMIT_THREADS = 2
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # a batch holds at most this much message data
-# A committer thread reconnects after a batch of RELEASE_CONNECTION_ABOVE bytes
-# (above): libpq's send buffer grows to the statement's size and is only freed
-# with the connection.
 
 
 class LoopReply:
@@ -486,6 +486,28 @@ def _settle_on_loop(future: asyncio.Future, settle: Callable[[Any], None], value
 
 
 Job = tuple[concurrent.futures.Future | LoopReply, Any, Any]  # (reply, envelope, data)
+
+
+def _answer(batch: Sequence[Job], results: Sequence[object]) -> bool:
+    """Hand each job of a stored batch its result; True if one failed. Replies on a loop
+    go in one callback per loop, in order: one wake-up of it per batch, not per message."""
+    on_loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, object]]] = {}
+    for (reply, _e, _d), result in zip(batch, results, strict=True):
+        if isinstance(reply, LoopReply):
+            on_loops.setdefault(reply.loop, []).append((reply.future, result))
+        else:
+            (reply.set_exception if isinstance(result, BaseException) else reply.set_result)(result)
+    for loop, answers in on_loops.items():
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_answer_on_loop, answers)
+    return any(isinstance(result, BaseException) for result in results)
+
+
+def _answer_on_loop(answers: list[tuple[asyncio.Future, object]]) -> None:
+    for future, result in answers:
+        failed = isinstance(result, BaseException)
+        _settle_on_loop(future, future.set_exception if failed else future.set_result, result)
+
 
 # PostgreSQL takes at most 65535 parameters in one statement; a batch's INSERT
 # (queues.database.insert_many_with_children) sends one per column of each message
@@ -610,13 +632,7 @@ class GroupCommitter:
         with self._count_lock:
             self.batches += 1
             self.messages += len(batch)
-        failed = False
-        for (future, _e, _d), result in zip(batch, results, strict=True):
-            if isinstance(result, BaseException):
-                failed = True
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+        failed = _answer(batch, results)
         if failed or size >= RELEASE_CONNECTION_ABOVE:
             self._close_connection()
 

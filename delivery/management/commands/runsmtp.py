@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import gc
 import os
 import signal
 import socket
@@ -69,6 +70,20 @@ def share(total: int, processes: int) -> int:
     processes together never pass the total — except a limit below the number of
     processes, which gives each process 1."""
     return max(1, total // processes) if total > 0 else 0
+
+
+def freeze_startup_objects() -> None:
+    """Take what the process holds once it listens out of the cyclic garbage collector.
+
+    Django, Celery, the models and the server's own objects live as long as
+    the process, yet every full collection walked them all (some 140,000
+    objects): about a tenth of the ingress's CPU per message, and a pause of
+    the event loop of 0.1-0.2 s each time. ``gc.freeze`` moves them to the
+    permanent generation, so collections walk only what sessions allocate.
+    Unreachable cycles are collected first, so no garbage is frozen with them.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def die_with_parent(supervisor: int | None) -> None:
@@ -246,6 +261,7 @@ class Command(BaseCommand):
         else:
             self.stdout.write("smtp: back pressure off (MAILRELAY_BP_ENABLED=false)")
         self.stdout.flush()
+        freeze_startup_objects()
         await stop.wait()
         self.stdout.write("smtp: stopping")
         self.stdout.flush()
