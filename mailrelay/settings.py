@@ -165,9 +165,9 @@ else:
 MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT = env_duration(
     "MAILRELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT", "15s"
 )
-# PostgreSQL: the hot paths' hand-written statements prepared on each connection
-# (parsed and planned once); off for a pooler in transaction mode that does not
-# keep prepared statements (PgBouncer before 1.21).
+# PostgreSQL: the hot paths' batch inserts prepared on each connection (parsed
+# and planned once, queues.database.prepared_cursor); off for a pooler in
+# transaction mode that does not keep prepared statements (PgBouncer before 1.21).
 MAILRELAY_DB_PREPARE = env_bool("MAILRELAY_DB_PREPARE", True)
 if DATABASES["default"]["ENGINE"].endswith("postgresql"):
     _db_options = DATABASES["default"].setdefault("OPTIONS", {})
@@ -184,8 +184,8 @@ if DATABASES["default"]["ENGINE"].endswith("postgresql"):
         )
     if MAILRELAY_DB_PREPARE:
         # psycopg prepares nothing while this is None (Django's default); Django's
-        # own cursors bind on the client and never prepare, only
-        # queues.database.prepared_cursor's statements are.
+        # own cursors bind on the client and never prepare: only the batch
+        # inserts are (prepared_cursor, the ingress's insert at its 5th run).
         _db_options.setdefault("prepare_threshold", 5)
     for _key, _value in (
         ("keepalives", 1),

@@ -57,7 +57,7 @@ from delivery.smtp.deliver import deliver_link as deliver_link_now
 from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
-from queues.database import drop_connection, is_outage, prepared_cursor, waits_for_database
+from queues.database import drop_connection, is_outage, waits_for_database
 from queues.lib import clock
 from queues.models import (
     Attempt,
@@ -327,7 +327,7 @@ def placement_for_route(
     SELECT when the queue and its link exist and nothing needs changing, else
     ``queue_for_route`` itself."""
     if connection.vendor == "postgresql":
-        with prepared_cursor() as cur:
+        with connection.cursor() as cur:
             cur.execute(_PG_ROUTE, [link_name, delivery_type, queue_name])
             row = cur.fetchone()
         if row is not None:
@@ -524,7 +524,7 @@ _PG_TO_ROUTE = (
 
 def _to_route(ids: list[int]) -> list[tuple]:
     if connection.vendor == "postgresql":
-        with prepared_cursor() as cur:
+        with connection.cursor() as cur:
             cur.execute(_PG_TO_ROUTE, [list(ids), RecipientState.SUBMITTED])
             return [(*row[:7], _inet(row[7]), *row[8:]) for row in cur.fetchall()]
     return list(

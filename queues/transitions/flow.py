@@ -30,7 +30,6 @@ from queues.database import (
     jsonb_payload,
     jsonb_rows,
     postgresql,
-    prepared_cursor,
     retry_outages,
     update_json,
 )
@@ -93,10 +92,6 @@ RETURNING m.id, m.crash_count
 """
 
 
-# Run prepared (queues.database.prepared_cursor): state words are bound, so a kept generic
-# plan goes by the ids (primary key, message_id index), not by a partial index on a state
-# small when planned and holding every live row under load; only the claim names its state.
-
 # Finish the messages of ids whose every recipient is final; (id, finished) of
 # each one not done yet (MessageQuerySet.finish_ids).
 _FINISH_SQL = """WITH live AS (SELECT id FROM queues_message
@@ -130,7 +125,7 @@ class MessageFlow(models.QuerySet):
         """
         if postgresql():
             params = {"now": now, "limit": limit, "owner": owner, "until": now + lease}
-            with prepared_cursor() as cur:
+            with connection.cursor() as cur:
                 cur.execute(_PG_CATEGORIZER_CLAIM, params)
                 return sorted(cur.fetchall())
         with transaction.atomic():
@@ -180,7 +175,7 @@ class MessageFlow(models.QuerySet):
         until the caller's transaction ends; returns their ids. The caller then
         places only their recipients, in the same transaction."""
         if postgresql():
-            with prepared_cursor() as cur:
+            with connection.cursor() as cur:
                 cur.execute(
                     "UPDATE queues_message SET state = %s, lease_owner = '', lease_until = NULL, "
                     "crash_count = 0, isolate = false "
@@ -199,7 +194,7 @@ class MessageFlow(models.QuerySet):
         messages among ``ids`` (one hand-written statement on PostgreSQL)."""
         if not postgresql():
             return self.filter(id__in=ids).with_submitted_recipients().back_to_submission(now)
-        with prepared_cursor() as cur:
+        with connection.cursor() as cur:
             cur.execute(
                 "UPDATE queues_message AS m SET state = %s, next_attempt_at = %s "
                 "WHERE m.id = ANY(%s::bigint[]) AND m.state = %s AND EXISTS ("
@@ -221,7 +216,7 @@ class MessageFlow(models.QuerySet):
             return 0
         if not postgresql():
             return self.filter(id__in=ids).finish(now)
-        with prepared_cursor() as cur:
+        with connection.cursor() as cur:
             final = [str(state) for state in FINAL_RECIPIENT_STATES]
             done = MessageState.DONE
             cur.execute(_FINISH_SQL, {"ids": ids, "done": done, "now": now, "final": final})
@@ -369,7 +364,7 @@ class RecipientFlow(models.QuerySet):
         if not placements:
             return 0
         if postgresql():
-            with prepared_cursor() as cur:
+            with connection.cursor() as cur:
                 cur.execute(
                     "UPDATE queues_recipient AS r SET queue_id = v.queue_id, state = %s, "
                     "next_attempt_at = %s "
@@ -454,8 +449,8 @@ class RecipientFlow(models.QuerySet):
         (``MessageQuerySet.finish_after_commit``)."""
         ids, final = [a["recipient_id"] for a in attempts], list(FINAL_RECIPIENT_STATES)
         params = {"rows": jsonb_payload(attempts), "ids": ids, "owner": owner, "now": now}
-        cur = prepared_cursor()
-        cur.execute(_record_delivered_sql(), params | {"final": final} | _RECORD_STATES)
+        cur = connection.cursor()
+        cur.execute(_record_delivered_sql(), params | {"final": final})
 
         def written() -> list[Delivered]:
             rows = [
@@ -525,13 +520,6 @@ def _apply(
     return row
 
 
-_RECORD_STATES = {
-    "active": RecipientState.ACTIVE,
-    "delivered": RecipientState.DELIVERED,
-    "done": MessageState.DONE,
-}
-
-
 @cache
 def _record_delivered_sql() -> str:
     """``record_delivered``'s statement (the Attempt columns but its queue)."""
@@ -541,19 +529,19 @@ def _record_delivered_sql() -> str:
     columns = field_columns(attempt, names)
     return f"""
 WITH v AS (SELECT * FROM {jsonb_rows("v", [*columns, ("last_host", "text")], "%(rows)s")}),
-r AS (UPDATE queues_recipient AS t SET state = %(delivered)s,
+r AS (UPDATE queues_recipient AS t SET state = '{RecipientState.DELIVERED}',
   attempt_count = t.attempt_count + 1, last_attempt_at = v.started_at, last_code = v.code,
   last_enhanced = v.enhanced, last_text = v.text, last_host = v.last_host,
   lease_owner = '', lease_until = NULL, final_at = %(now)s
   FROM v WHERE t.id = ANY(%(ids)s::bigint[]) AND t.id = v.recipient_id
-  AND t.state = %(active)s AND t.lease_owner = %(owner)s
+  AND t.state = '{RecipientState.ACTIVE}' AND t.lease_owner = %(owner)s
   RETURNING t.id, t.message_id, t.queue_id, t.address),
 a AS (INSERT INTO {attempt._meta.db_table} ({", ".join(c for c, _ in columns)}, queue_id)
   SELECT {", ".join("v." + c for c, _ in columns)}, t.queue_id
   FROM v JOIN queues_recipient AS t ON t.id = ANY(%(ids)s::bigint[]) AND t.id = v.recipient_id),
-m AS (UPDATE queues_message AS m SET state = %(done)s, completed_at = %(now)s,
+m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at = %(now)s,
   lease_owner = '', lease_until = NULL
-  WHERE m.id IN (SELECT message_id FROM r) AND m.state <> %(done)s AND NOT EXISTS (
+  WHERE m.id IN (SELECT message_id FROM r) AND m.state <> '{MessageState.DONE}' AND NOT EXISTS (
   SELECT 1 FROM queues_recipient AS x WHERE x.message_id = m.id
   AND x.state <> ALL(%(final)s::varchar[]) AND x.id NOT IN (SELECT id FROM r))
   RETURNING m.id)
