@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import connection, transaction
 
+from insight.config import insight_settings
 from insight.models import AlertState
 from queues.models import DeliveryType, Event, EventLevel, Queue
 
@@ -32,9 +32,8 @@ _LOCK = 0x6D72_616C  # pg advisory lock: one evaluation at a time
 
 def threshold_for(queue_name: str) -> timedelta | None:
     """The age alert threshold of a queue (None: no age alert for it)."""
-    t = settings.MAILRELAY_ALERT_OLDEST_AGE_QUEUES.get(
-        queue_name.lower(), settings.MAILRELAY_ALERT_OLDEST_AGE
-    )
+    config = insight_settings()
+    t = config.alert_oldest_age_queues.get(queue_name.lower(), config.alert_oldest_age)
     return t if t > timedelta(0) else None
 
 

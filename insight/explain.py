@@ -24,12 +24,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from django.conf import settings
 from django.db.models import Q
 
+from delivery.qmgr.config import qmgr_settings
 from delivery.smtp import retry
 from delivery.smtp.retryrules import Rule, parse_rules
 from delivery.smtp.retryschedule import projected_schedule
+from insight.config import insight_settings
+from queues.config import store_settings
 from queues.lib import DSN_DELAY, dsn_wanted, format_duration
 from queues.models import (
     FINAL_RECIPIENT_STATES,
@@ -182,8 +184,8 @@ def schedule_after(
 
 def _link_counter(link: Link) -> str:
     """Which of Exchange's counters the link is on: glitch, transient or retry."""
-    glitch = settings.MAILRELAY_QUEUE_GLITCH_RETRY_COUNT
-    transient = settings.MAILRELAY_TRANSIENT_FAILURE_RETRY_COUNT
+    config = insight_settings()
+    glitch, transient = config.glitch_retry_count, config.transient_failure_retry_count
     if link.failure_count <= glitch:
         return "glitch"
     if link.failure_count <= glitch + transient:
@@ -307,7 +309,7 @@ def _in_flight(r: Recipient) -> Reason | None:
     """Reason "in_flight": a delivery round holds the recipient's lease."""
     if r.state != RecipientState.ACTIVE:
         return None
-    lease = settings.MAILRELAY_DELIVERY_LEASE
+    lease = store_settings().lease
     since = r.lease_until - lease if r.lease_until else None
     return Reason(
         "in_flight",
@@ -584,7 +586,7 @@ def _schedule(
         and dsn_wanted(DSN_DELAY, r.notify, message.mail_from)
         and message.source != "dsn"
     ):
-        delay_at = message.received_at + settings.MAILRELAY_DELAY_NOTIFICATION_TIMEOUT
+        delay_at = message.received_at + qmgr_settings().delay_notification_timeout
         schedule.append({"at": delay_at, "kind": "delay_dsn"})
     if cutoff_at is not None:
         schedule.append({"at": cutoff_at, "kind": "final_cutoff"})

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import connection
 from django.db.models import Count, F, Func, Max, Min, Q, TextField, Value
 
+from insight.config import insight_settings
 from insight.models import InsightRefresh
 from queues.filters import ERROR_TOKEN_SQL, error_normalize
 from queues.models import Queue, Recipient, RecipientState
@@ -135,7 +135,7 @@ def name_groups(groups) -> None:
 def refresh_period(state: InsightRefresh | None) -> timedelta:
     """How often the summary is refreshed: the interval, or ten times what the last
     refresh cost when that is longer (it takes at most a tenth of one core)."""
-    interval = settings.MAILRELAY_INSIGHT_REFRESH_INTERVAL
+    interval = insight_settings().refresh_interval
     if state is None:
         return interval
     return max(interval, timedelta(seconds=10 * state.seconds))
@@ -143,7 +143,7 @@ def refresh_period(state: InsightRefresh | None) -> timedelta:
 
 def stored_in_use(now: datetime) -> InsightRefresh | None:
     state = InsightRefresh.objects.order_by("-computed_at").first()
-    if state is None or state.deferred < settings.MAILRELAY_INSIGHT_LIVE_LIMIT:
+    if state is None or state.deferred < insight_settings().live_limit:
         return None
     if state.computed_at < now - 3 * refresh_period(state):
         return None  # the refresh stopped: exact (and slow) beats stale

@@ -16,11 +16,11 @@ from datetime import datetime
 from email.utils import format_datetime
 from typing import TypeVar
 
-from django.conf import settings
 from django.db import Error, IntegrityError, InterfaceError, OperationalError, connection
 from django.db.models import Field, Model
 
 from queues import dkim, lib
+from queues.config import once_per_process, store_settings
 from queues.database import (
     drop_connection,
     insert_many_with_children,
@@ -110,7 +110,7 @@ def _received_header(env: IncomingEnvelope, qid: str, when: str) -> bytes:
     peer = f"{env.client_name or 'unknown'} [{env.client_address or 'unknown'}]"
     line = (
         f"Received: from {helo} ({peer})\r\n"
-        f"\tby {settings.MAILRELAY_HOSTNAME} (mailrelay) with {env.protocol} id {qid}"
+        f"\tby {store_settings().hostname} (mailrelay) with {env.protocol} id {qid}"
     )
     if len(env.recipients) == 1:
         line += f"\r\n\tfor <{env.recipients[0].address}>"
@@ -150,7 +150,7 @@ def build_prefix(
     prefix = _received_header(env, qid, when)
     message_id = info.message_id
     if not message_id:
-        message_id = f"<{qid}.{int(time.time())}@{settings.MAILRELAY_HOSTNAME}>"
+        message_id = f"<{qid}.{int(time.time())}@{store_settings().hostname}>"
         prefix += f"Message-ID: {message_id}\r\n".encode("ascii", "replace")
     return prefix, message_id, info.subject
 
@@ -169,9 +169,10 @@ class KeyStore:
     """Keys loaded once and kept; reloaded at most every ``refresh`` seconds
     (a new ``DkimKey`` or key file is used within that time, no restart)."""
 
-    def __init__(self, keys_dir: str, refresh: float) -> None:
+    def __init__(self, keys_dir: str, refresh: float, signing_domain: str = "") -> None:
         self.keys_dir = keys_dir
         self.refresh = refresh
+        self.signing_domain = signing_domain  # in its one form already (settings.py)
         self._lock = threading.Lock()
         self._keys: dict[str, dkim.SigningKey] = {}
         self._loaded_at: float | None = None
@@ -214,32 +215,19 @@ class KeyStore:
             if (key := keys.get(name)) is not None:
                 return key
             name = name.partition(".")[2]
-        # In its one form already (settings.py); "" names no key.
-        return keys.get(settings.MAILRELAY_DKIM_SIGNING_DOMAIN)
+        return keys.get(self.signing_domain)  # "" names no key
 
 
-_store: KeyStore | None = None
-_store_lock = threading.Lock()
-
-
+@once_per_process
 def key_store() -> KeyStore:
-    """The process's KeyStore, built from the settings at first use."""
-    global _store
-    if _store is None:
-        with _store_lock:
-            if _store is None:
-                _store = KeyStore(
-                    settings.MAILRELAY_DKIM_KEYS_DIR,
-                    settings.MAILRELAY_DKIM_KEY_REFRESH.total_seconds(),
-                )
-    return _store
+    """The process's KeyStore, built at first use (again after a setting changes)."""
+    config = store_settings()
+    return KeyStore(config.dkim_keys_dir, config.dkim_key_refresh, config.dkim_signing_domain)
 
 
 def reset_key_store() -> None:
-    """Forget the loaded keys (tests, and settings changed in a running process)."""
-    global _store
-    with _store_lock:
-        _store = None
+    """Forget the loaded keys (a key added or removed by an operator in this process)."""
+    key_store.cache_clear()
 
 
 def sign_message(prefix: bytes, data: bytes | bytearray) -> tuple[bytes, dkim.SigningKey | None]:
@@ -361,7 +349,7 @@ def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedM
         message_id=message_id,
         subject=subject,
         received_at=now,
-        expires_at=now + settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT,
+        expires_at=now + store_settings().message_expiration,
         next_attempt_at=now,
         signature=signature,
         auth_account=env.auth_account,

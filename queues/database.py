@@ -45,7 +45,6 @@ from typing import Any, ParamSpec, TypeVar
 
 import psycopg
 import psycopg.adapt
-from django.conf import settings
 from django.db import (
     DEFAULT_DB_ALIAS,
     InterfaceError,
@@ -57,6 +56,8 @@ from django.db import (
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Lookup
 from django.db.models.lookups import In
+
+from queues.config import store_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,7 +121,7 @@ def prepared_cursor() -> Any:
     without prepared statements), or another database: Django's own cursor."""
     if (
         connection.vendor != "postgresql"
-        or not settings.MAILRELAY_DB_PREPARE
+        or not store_settings().db_prepare
         or connection.settings_dict["OPTIONS"].get("prepare_threshold") is None
     ):
         return connection.cursor()

@@ -33,10 +33,10 @@ from pathlib import Path
 import dkim
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa, utils
-from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
 
 from queues import lib
+from queues.config import store_settings
 from queues.database import is_outage
 from queues.lib import header_end
 
@@ -432,7 +432,7 @@ def sign(data: bytes | bytearray, key: SigningKey, prefix: bytes = b"") -> bytes
     header, body = _split(data)
     header = prefix + header
     fields = _fields(header)
-    include = _include_headers(tuple(settings.MAILRELAY_DKIM_HEADERS)) or _usual_headers(fields)
+    include = _include_headers(store_settings().dkim_headers) or _usual_headers(fields)
     signer = dkim.DKIM(linesep=b"\r\n" if b"\r\n" in header else b"\n")
     # What dkimpy's parse of the whole message would have set, less the
     # fields it would only canonicalize and never sign.

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.conf import settings
 from django.db import transaction
 
+from queues.config import store_settings
 from queues.lib import clock
 from queues.models import DeliveryType, Event, EventLevel, Message, Queue
 
@@ -38,7 +38,7 @@ def park_poison(message_ids: list[int]) -> None:
                 level=EventLevel.ERROR,
                 kind="poison",
                 text="processing this message crashed a worker "
-                f"{settings.MAILRELAY_POISON_THRESHOLD} times; moved to the Poison queue",
+                f"{store_settings().poison_threshold} times; moved to the Poison queue",
                 message_id=mid,
                 queue=poison,
             )

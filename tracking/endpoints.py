@@ -11,12 +11,12 @@ from collections.abc import Iterable
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import idna
-from django.conf import settings
 from django.db import transaction
 
 from queues.lib import clock
 from queues.models import AuditEntry
 from tracking import record, redact
+from tracking.config import tracking_settings
 from tracking.events import WEBHOOK_EVENTS
 from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
@@ -117,7 +117,7 @@ def normalize_url(url: str) -> str:
 def clean_url(url: str) -> str:
     url = normalize_url(url)
     parts = urlsplit(url)
-    if not settings.MAILRELAY_WEBHOOK_ALLOW_PRIVATE:
+    if not tracking_settings().webhook_allow_private:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
             addresses = resolve(parts.hostname, port)

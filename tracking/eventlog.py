@@ -26,6 +26,8 @@ from typing import Any
 
 from django.conf import settings
 
+from queues.config import once_per_process
+
 log = logging.getLogger(__name__)
 
 QUEUE_LINES = 100_000
@@ -142,16 +144,24 @@ _lock = threading.Lock()
 EXIT_FLUSH_SECONDS = 5.0
 
 
+@once_per_process
+def target() -> str:
+    """``MAILRELAY_EVENT_LOG`` (a path, "-" for stdout, "" for off), read once per
+    process: the event log stands alone (a process may configure it and nothing
+    else), so it reads its one setting itself."""
+    return settings.MAILRELAY_EVENT_LOG
+
+
 def _get_writer() -> _Writer | None:
     global _writer
-    target = settings.MAILRELAY_EVENT_LOG
-    if not target:
+    target_now = target()
+    if not target_now:
         return None
     with _lock:
-        if _writer is None or _writer.target != target:
+        if _writer is None or _writer.target != target_now:
             if _writer is not None:
                 _writer.flush()
-            _writer = _Writer(target)
+            _writer = _Writer(target_now)
         return _writer
 
 

@@ -26,7 +26,6 @@ from datetime import datetime
 from typing import Any
 
 from celery import current_app
-from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 
 from queues import counters
@@ -179,7 +178,7 @@ def _log_after_commit(rows: Sequence[Row]) -> None:
     """Hand the rows' event-log lines to ``tracking.eventlog`` once their
     transaction commits: nothing when ``MAILRELAY_EVENT_LOG`` is off, nothing
     if it rolls back."""
-    if not settings.MAILRELAY_EVENT_LOG:
+    if not eventlog.target():
         return
     lines = eventlog.lines_of(rows)
     transaction.on_commit(lambda: eventlog.emit(lines))

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, F, Q, TextField, Value, When
 
@@ -42,6 +41,7 @@ from queues.database import retry_outages
 from queues.lib import clock
 from queues.transitions import new_owner
 from tracking import signing
+from tracking.config import tracking_settings
 from tracking.endpoints import EndpointError, is_public, normalize_url, resolve
 from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
@@ -153,7 +153,7 @@ def post(
             addresses = public
         context = None
         if parts.scheme == "https":
-            context = ssl.create_default_context(cafile=settings.MAILRELAY_TLS_CA_FILE or None)
+            context = ssl.create_default_context(cafile=tracking_settings().tls_ca_file or None)
         conn = _Connection(parts.hostname, port, addresses, deadline, context)
         watchdog = threading.Timer(max(deadline - time.monotonic(), 0), conn.abort)
         watchdog.daemon = True
@@ -255,7 +255,7 @@ def fail_expired(now: datetime) -> int:
     """Fail every pending row older than MAILRELAY_WEBHOOK_RETRY_FOR that no sender
     holds: one UPDATE (rows of a resting, dead or disabled endpoint are not tried,
     so nothing else would fail them)."""
-    cutoff = now - settings.MAILRELAY_WEBHOOK_RETRY_FOR
+    cutoff = now - tracking_settings().webhook_retry_for
     return (
         WebhookDelivery.objects.filter(state=DeliveryState.PENDING, created_at__lt=cutoff)
         .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
@@ -380,7 +380,7 @@ def _record_once(sent: _Sent, owner: str, resting: dict[int, datetime]) -> None:
         log.info("webhook %s: no longer held by this sender; not recorded", delivery.event_id)
         return
     endpoint = delivery.endpoint
-    deadline = delivery.created_at + settings.MAILRELAY_WEBHOOK_RETRY_FOR
+    deadline = delivery.created_at + tracking_settings().webhook_retry_for
     if result is None:  # waits (with its endpoint), untried
         wait_until = sent.wait_until or resting.get(endpoint.pk) or delivery.next_attempt_at
         if wait_until > deadline:
@@ -430,8 +430,8 @@ def send_due(owner: str | None = None, limit: int = CLAIM, *, held: bool = False
     """
     owner = owner or owner_id()
     now = clock.now()
-    timeout = settings.MAILRELAY_WEBHOOK_TIMEOUT.total_seconds()
-    allow_private = settings.MAILRELAY_WEBHOOK_ALLOW_PRIVATE
+    config = tracking_settings()
+    timeout, allow_private = config.webhook_timeout, config.webhook_allow_private
     lease = lease_for(limit, timeout)
     claimed_at = time.monotonic()
     batch = claim(owner, now, limit, lease, held=held)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 
 from celery import shared_task
-from django.conf import settings
 
 from queues.database import waits_for_database
 from queues.lib import clock
 from tracking import partitions, sender
+from tracking.config import tracking_settings
 
 SLICE_SECONDS = 60
 
@@ -57,7 +57,7 @@ def maintain() -> dict:
     """Partitions of the coming days, tracking rows past retention, old webhook rows."""
     now = clock.now()
     try:
-        report = partitions.maintain(now, settings.MAILRELAY_TRACKING_RETENTION)
+        report = partitions.maintain(now, tracking_settings().retention)
     finally:  # webhook rows are failed and pruned whatever became of the partitions
         failed_webhooks = sender.fail_expired(now)
         pruned_webhooks = sender.prune(now)

@@ -10,12 +10,13 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
+from delivery.qmgr.config import qmgr_settings
 from queues.bounce import dsn
 from queues.bounce.notify import notify
+from queues.config import store_settings
 from queues.lib import clock
 from queues.models import (
     WAITING_RECIPIENT_STATES,
@@ -115,12 +116,12 @@ def _purge_completed(report: SweepReport) -> None:
     )
     done = Message.objects.filter(state=MessageState.DONE)
     ids = list(
-        done.filter(completed_at__lt=now - settings.MAILRELAY_COMPLETED_RETENTION)
+        done.filter(completed_at__lt=now - qmgr_settings().completed_retention)
         .exclude(Exists(in_dead_letter))
         .values_list("id", flat=True)[:PURGE_BATCH]
     )
     ids += list(
-        done.filter(completed_at__lt=now - settings.MAILRELAY_DEAD_LETTER_RETENTION).values_list(
+        done.filter(completed_at__lt=now - qmgr_settings().dead_letter_retention).values_list(
             "id", flat=True
         )[:PURGE_BATCH]
     )
@@ -150,7 +151,7 @@ def _expire(report: SweepReport) -> None:
         dead_letter = special_queue(DeliveryType.DEAD_LETTER, now)
         reason = (
             "message expired: not delivered within "
-            f"{settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT} of arrival"
+            f"{store_settings().message_expiration} of arrival"
         )
         Recipient.objects.expire(rows, now, dead_letter.pk, reason)
         recipients_expired.send(None, recipients=rows, now=now, reason=reason)
@@ -173,7 +174,7 @@ def _delay_notifications(report: SweepReport) -> None:
             .filter(
                 state__in=WAITING_RECIPIENT_STATES,
                 delay_dsn_sent=False,
-                message__received_at__lte=now - settings.MAILRELAY_DELAY_NOTIFICATION_TIMEOUT,
+                message__received_at__lte=now - qmgr_settings().delay_notification_timeout,
             )
             .order_by("message_id")[:EXPIRE_BATCH]
         )
@@ -192,7 +193,8 @@ def _auto_resubmit(report: SweepReport) -> None:
     """A link in Retry that has delivered nothing for MaxIdleTimeBeforeResubmit sends
     its messages back to the categorizer: the route may have changed (Exchange)."""
     now = clock.now()
-    idle = now - settings.MAILRELAY_MAX_IDLE_TIME_BEFORE_RESUBMIT
+    idle_time = qmgr_settings().max_idle_time_before_resubmit
+    idle = now - idle_time
     links = list(
         Link.objects.filter(state=LinkState.RETRY, first_failure_at__lte=idle).filter(
             Q(last_success_at__isnull=True) | Q(last_success_at__lte=idle)
@@ -211,7 +213,7 @@ def _auto_resubmit(report: SweepReport) -> None:
                 level=EventLevel.WARNING,
                 kind="auto_resubmit",
                 text=f"link {link.name} delivered nothing for "
-                f"{settings.MAILRELAY_MAX_IDLE_TIME_BEFORE_RESUBMIT}; "
+                f"{idle_time}; "
                 f"{moved} recipients resubmitted to the categorizer",
                 data={"link": link.pk, "recipients": moved},
             )

@@ -39,7 +39,6 @@ from typing import NamedTuple
 
 from celery import current_app, shared_task
 from celery.signals import task_prerun
-from django.conf import settings
 from django.db import (
     InterfaceError,
     OperationalError,
@@ -49,14 +48,15 @@ from django.db import (
 )
 from django.db.models import QuerySet
 
+from delivery.qmgr.config import qmgr_settings
 from delivery.qmgr.sweep import reclaim as reclaim_now
 from delivery.qmgr.sweep import sweep as sweep_now
-from delivery.route.routing import Route, RouteError, Router
-from delivery.smtp import retry
+from delivery.route.routing import Route, RouteError, Router, configured_router
 from delivery.smtp.deliver import deliver_link as deliver_link_now
 from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
+from queues.config import store_settings
 from queues.database import drop_connection, is_outage, waits_for_database
 from queues.lib import clock
 from queues.models import (
@@ -129,8 +129,8 @@ def categorize() -> int | None:
 def _categorize(owner: str) -> int:
     started = time.monotonic()
     total = 0
-    gather = settings.MAILRELAY_CATEGORIZER_BATCH_WAIT.total_seconds()
-    full = settings.MAILRELAY_CATEGORIZER_BATCH
+    config = qmgr_settings()
+    gather, full = config.categorizer_batch_wait, config.categorizer_batch
     held_first = True
     while True:
         taken = categorize_pending(owner, limit=full, held_first=held_first)
@@ -194,9 +194,7 @@ def claim_batch(owner: str, limit: int) -> list[int]:
 
 def claim_counted(owner: str, limit: int) -> list[tuple[int, int]]:
     """``claim_batch`` with each message's crash count (the poison check)."""
-    return Message.objects.claim_for_categorizer(
-        owner, limit, clock.now(), settings.MAILRELAY_DELIVERY_LEASE
-    )
+    return Message.objects.claim_for_categorizer(owner, limit, clock.now(), store_settings().lease)
 
 
 def _route_all(
@@ -242,7 +240,7 @@ def _unroutable(
         rows.park_unreachable(
             special(DeliveryType.UNREACHABLE).pk,
             now,
-            retry.categorizer_retry_at(now),
+            now + qmgr_settings().categorizer_retry_interval,
             enhanced=error.enhanced,
             text=error.text,
         )
@@ -434,9 +432,9 @@ def categorize_pending(
     5. after commit, ring the links that got work.
     """
     owner = owner or transitions.new_owner()
-    limit = limit or settings.MAILRELAY_CATEGORIZER_BATCH
+    limit = limit or qmgr_settings().categorizer_batch
     acquired_at = time.monotonic()  # the claim's lease runs from its request
-    lease = settings.MAILRELAY_DELIVERY_LEASE
+    lease = store_settings().lease
     claimed = Message.objects.claim_held(owner, clock.now(), lease) if held_first else []
     claimed = claimed or claim_counted(owner, limit)
     if not claimed:
@@ -495,7 +493,7 @@ def _busy(links: set[int]) -> set[int]:
 
 def _process(ids: list[int], owner: str, claim: Claim | None = None) -> set[int]:
     recipients = _to_route(ids)
-    placements = _route_all({r[0] for r in recipients}, Router.from_settings(), claim)
+    placements = _route_all({r[0] for r in recipients}, configured_router(), claim)
     with transaction.atomic():
         # Only messages still ours: had the claim expired, another categorizer
         # owns them now and will place them itself. Ours become queued here, in
@@ -542,6 +540,5 @@ def _inet(value: object) -> str | None:
 def _release_after_crash(message_id: int, *, count: bool) -> None:
     """Give a message that raised back to Submission, to be tried alone; ``count``
     adds the crash to its count (a claim of one counted it already)."""
-    Message.objects.filter(id=message_id).crashed(
-        retry.categorizer_retry_at(clock.now()), count=count
-    )
+    retry_at = clock.now() + qmgr_settings().categorizer_retry_interval
+    Message.objects.filter(id=message_id).crashed(retry_at, count=count)

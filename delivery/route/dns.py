@@ -16,8 +16,8 @@ from datetime import timedelta
 
 import dns.nameserver
 import dns.resolver
-from django.conf import settings
 
+from delivery.route.config import route_settings
 from queues.lib import seconds
 
 DNS_PORT = 53
@@ -92,14 +92,14 @@ def make_resolver(
     """A dnspython resolver for the relay.
 
     ``nameservers`` and ``timeout`` default to ``MAILRELAY_DNS_NAMESERVERS``
-    and ``MAILRELAY_DNS_TIMEOUT`` (read at call time, so tests can change
-    settings). With ``cache`` the resolver shares a process-wide cache (per
-    nameserver list) that honours the records' TTLs, negative answers included.
+    and ``MAILRELAY_DNS_TIMEOUT`` (``delivery.route.config``). With ``cache``
+    the resolver shares a process-wide cache (per nameserver list) that
+    honours the records' TTLs, negative answers included.
     """
     if nameservers is None:
-        nameservers = settings.MAILRELAY_DNS_NAMESERVERS
+        nameservers = route_settings().dns_nameservers
     if timeout is None:
-        timeout = settings.MAILRELAY_DNS_TIMEOUT
+        timeout = route_settings().dns_timeout
     servers = [parse_nameserver(spec) for spec in nameservers]
     if servers:
         resolver = dns.resolver.Resolver(configure=False)

@@ -37,8 +37,10 @@ import dns.rdatatype
 import dns.resolver
 from django.conf import settings
 
+from delivery.route.config import route_settings
 from delivery.route.dns import make_resolver, parse_nameserver
 from queues import lib
+from queues.config import once_per_process
 from queues.services.reroute import NextHopRoute
 
 # queues.models.DeliveryType values (kept as strings: routing does not import models)
@@ -197,7 +199,7 @@ def parse_next_hop(spec: str, default_port: int | None = None) -> tuple[NextHop,
     dot removed. Raises ValueError naming the bad part.
     """
     if default_port is None:
-        default_port = settings.MAILRELAY_REMOTE_SMTP_PORT
+        default_port = route_settings().remote_smtp_port
     parts = spec.split()
     if not parts:
         raise ValueError("empty next hop (expected [host]:port or host[:port])")
@@ -547,7 +549,7 @@ def configured_hops(domain: str) -> tuple[NextHop, ...]:
     """The next hops of ``domain`` as written in the transport map or smart host
     (before any MX lookup), or () when DNS routes it: the names a TLS policy
     or AUTH line may use for them (the round's TLS plan, delivery.smtp.client)."""
-    router = Router.from_settings()
+    router = configured_router()
     try:
         entry = lookup_transport(router.transports, _route_name(domain))
     except RouteError:
@@ -564,7 +566,7 @@ def override_route(spec: str, queue_name: str) -> Route:
     exactly these hosts. Raises ValueError for a bad spec and RouteError when a
     host name has no usable DNS data.
     """
-    router = Router.from_settings()
+    router = configured_router()
     hops = parse_next_hop(spec.strip(), router.default_port)
     labels = " ".join(hop_label(h) for h in hops)
     return router._make(TRANSPORT_MAP, queue_name, router._expand(hops, f"re-route to {labels}"))
@@ -600,7 +602,7 @@ class Router:
         default_port: int | None = None,
     ) -> None:
         if default_port is None:
-            default_port = settings.MAILRELAY_REMOTE_SMTP_PORT
+            default_port = route_settings().remote_smtp_port
         self.default_port = default_port
         if isinstance(transports, str):
             transports = parse_transports(transports, default_port)
@@ -614,10 +616,9 @@ class Router:
     def from_settings(cls) -> Router:
         """A router on the configured routes, parsed once per process (and again
         only when the settings change, as tests change them)."""
-        port = settings.MAILRELAY_REMOTE_SMTP_PORT
-        transports, smart_host = _configured_routes(
-            settings.MAILRELAY_TRANSPORTS, settings.MAILRELAY_SMART_HOST, port
-        )
+        config = route_settings()
+        port = config.remote_smtp_port
+        transports, smart_host = _configured_routes(config.transports, config.smart_host, port)
         return cls(transports=transports, smart_host=smart_host, default_port=port)
 
     @property
@@ -741,3 +742,8 @@ class Router:
             # No MX: the host itself (its A/AAAA are looked up at delivery).
             groups.append(mx if mx is not None else [NextHop(hop.host, hop.port, 0)])
         return tuple(_dedupe(_chain(groups)))
+
+
+# The router on the configured routes, built once per process (queues.config):
+# the categorizer's batches and the rounds' TLS plans share it and its resolver.
+configured_router = once_per_process(Router.from_settings)

@@ -29,14 +29,15 @@ import time
 from dataclasses import dataclass, replace
 
 import redis
-from django.conf import settings
 
 from delivery.shaping import adaptive, policy
 from delivery.shaping import limiter as limiter_module
 from delivery.shaping.limiter import Grant, Limiter, limiter, warn_unavailable
 from delivery.shaping.policy import Entry, Policy
+from delivery.smtp.config import round_settings
 from delivery.smtp.connection import ClientConfig
 from delivery.smtp.types import BatchResult, OutboundMessage
+from queues.config import store_settings
 from queues.lib import clock
 from queues.models import Link, Queue
 from queues.signals import link_work
@@ -68,7 +69,7 @@ _policy_lock = threading.Lock()
 
 
 def _path() -> str:
-    return settings.MAILRELAY_SHAPING
+    return round_settings().shaping
 
 
 def current() -> Policy | None:
@@ -302,7 +303,7 @@ def open_round(link: Link, config: ClientConfig, owner: str) -> ShapedRound | No
     shaped = ShapedRound(link, entry, scope, owner, cfg, want, None, lim, cfg.max_connections)
     if lim is None:
         return shaped
-    lease = settings.MAILRELAY_DELIVERY_LEASE.total_seconds()
+    lease = store_settings().lease.total_seconds()
     try:
         grant = lim.acquire(
             scope,

@@ -28,6 +28,8 @@ from functools import lru_cache
 
 import redis
 
+from queues.config import once_per_process
+
 log = logging.getLogger(__name__)
 
 PREFIX = "mailrelay:shaping:"
@@ -323,8 +325,10 @@ def _limiter_for(url: str) -> Limiter:
     )
 
 
+@once_per_process
 def limiter() -> Limiter | None:
-    """The limiter on the broker's Redis; None when the broker is not Redis."""
+    """The limiter on the broker's Redis; None when the broker is not Redis (read
+    once per process: ``queues.config``)."""
     from django.conf import settings
 
     url = settings.CELERY_BROKER_URL

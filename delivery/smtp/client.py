@@ -49,11 +49,10 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.conf import settings
-
 from delivery.route.routing import configured_hops, hop_label
 from delivery.smtp import outcome
 from delivery.smtp.auth import authenticate
+from delivery.smtp.config import round_settings
 from delivery.smtp.connection import (
     IMPLICIT_TLS_PORT,
     READ_LIMIT,
@@ -637,7 +636,7 @@ _loaded: tuple[tuple[str, float], dict[str, str]] | None = None
 def load_policy() -> dict[str, str]:
     """The table of ``MAILRELAY_TLS_POLICY``, read again when the file changes."""
     global _loaded
-    path = settings.MAILRELAY_TLS_POLICY.strip()
+    path = round_settings().tls_policy
     if not path:
         return {}
     stamp = (path, os.stat(path).st_mtime)
@@ -709,7 +708,8 @@ def plan(
     MTA-STS lookups and fetches (``mta_sts.policy_for``): a round passes one
     that renews its claim meanwhile.
     """
-    ca_file = settings.MAILRELAY_TLS_CA_FILE
+    config = round_settings()
+    ca_file = config.tls_ca_file
     hops = list(link_hops)
     if not dns_routed:  # the hops as written too, when an MX lookup expanded them
         hops += [hop for domain in domains for hop in configured_hops(domain)]
@@ -717,12 +717,12 @@ def plan(
         dict.fromkeys(n for hop in hops for n in [hop_label(hop), *_names(hop.host, hop.port)])
     )
     configured = level_for(load_policy(), domains, hop_names)
-    level = configured or settings.MAILRELAY_TLS_DEFAULT_LEVEL
+    level = configured or config.tls_default_level
     rnd = RoundTls(default=requirement(level, ca_file))
     hosts = sorted({(t.host, t.port) for t in targets})
     if level in ("dane", "dane-only"):
         rnd.default, rnd.by_target = dane_requirements(level, hosts)
-    elif configured is None and dns_routed and settings.MAILRELAY_MTA_STS:
+    elif configured is None and dns_routed and config.mta_sts:
         rnd.by_target, rnd.reports = mta_sts_requirements(domains, hosts, now, ca_file, wait)
     table = load_auth()
     if table:
@@ -740,7 +740,7 @@ def load_auth() -> dict[str, Credentials]:
     """The table of ``MAILRELAY_SMTP_AUTH`` (a path, or the content from a
     ``_FILE`` secret), read again when the file changes."""
     global _auth_loaded
-    value = settings.MAILRELAY_SMTP_AUTH
+    value = round_settings().smtp_auth
     if not value.strip():
         return {}
     path = value.strip()

@@ -16,12 +16,12 @@ from dataclasses import replace
 from datetime import datetime
 from functools import partial
 
-from django.conf import settings
 from django.db import connection, transaction
 
 from delivery.route.routing import DNS_MX, NextHop, order_targets
 from delivery.shaping import gate as shaping_gate
 from delivery.smtp.client import ClientConfig, connections_for, deliver, plan
+from delivery.smtp.config import round_settings
 from delivery.smtp.outcome import (
     Carried,
     Round,
@@ -39,6 +39,7 @@ from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient,
 from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
+from queues.config import once_per_process, store_settings
 from queues.database import insert_all, is_outage, pipelined
 from queues.lib import DSN_SUCCESS, clock, dsn_wanted, scrub_nul
 from queues.models import (
@@ -57,10 +58,14 @@ from queues.transitions import Claim, while_connected, while_renewing
 
 log = logging.getLogger(__name__)
 
+# The SMTP client's limits (timeouts, connections, messages a connection), read
+# once per process.
+client_config = once_per_process(ClientConfig.from_settings)
+
 
 def link_acquire(link_id: int, owner: str) -> bool:
     """Become (or stay) the one delivery task of this link, for one lease."""
-    return Link.objects.acquire(link_id, owner, clock.now(), settings.MAILRELAY_DELIVERY_LEASE)
+    return Link.objects.acquire(link_id, owner, clock.now(), store_settings().lease)
 
 
 def link_release(link_id: int, owner: str) -> None:
@@ -84,9 +89,9 @@ def claim_round(link_id: int, owner: str, limit: int, again: bool = False) -> li
         link_id,
         owner,
         clock.now(),
-        settings.MAILRELAY_DELIVERY_LEASE,
+        store_settings().lease,
         limit=limit,
-        max_bytes=settings.MAILRELAY_DELIVERY_ROUND_BYTES,
+        max_bytes=round_settings().round_bytes,
         again=again,
     )
 
@@ -459,7 +464,7 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
     shaping policy says not now: delivery.shaping.gate).
     """
     # No MAILRELAY_SHAPING: the built-in limits, and the gate is not consulted.
-    shaped = shaping_gate.open_round(link, config, owner) if settings.MAILRELAY_SHAPING else None
+    shaped = shaping_gate.open_round(link, config, owner) if round_settings().shaping else None
     if shaped is None:
         return _deliver_round(link, config, owner, claim, None)
     if shaped.refused:
@@ -695,7 +700,7 @@ def _record_crash(owner: str) -> None:
         message_ids = set(rows.values_list("message_id", flat=True))
         rows.release_after_crash(
             owner,
-            now + settings.MAILRELAY_MESSAGE_RETRY_INTERVAL,
+            now + round_settings().message_retry_interval,
             "internal error while recording the delivery; will retry",
         )
         poisoned = Message.objects.filter(id__in=message_ids).count_crash()
@@ -727,7 +732,7 @@ class _LinkOwner:
             return False
         if self.round is not None:
             Recipient.objects.renew(self.round, until)
-            if settings.MAILRELAY_SHAPING:
+            if round_settings().shaping:
                 shaping_gate.renew(self.round, until.timestamp())  # its connection slots
         return True
 
@@ -743,8 +748,8 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
     """
     holder = _LinkOwner(link_id, owner or transitions.new_owner())
     handled = 0
-    config = ClientConfig.from_settings()
-    gather = settings.MAILRELAY_DELIVERY_ROUND_WAIT.total_seconds()
+    config = client_config()
+    gather = round_settings().round_wait
     while True:
         acquired_at = time.monotonic()  # the link's lease runs from this request
         if not link_acquire(link_id, holder.owner):

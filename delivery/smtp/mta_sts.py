@@ -38,9 +38,9 @@ from typing import TypeVar
 
 import dns.exception
 import dns.resolver
-from django.conf import settings
 
 from delivery.smtp import https_fetch
+from delivery.smtp.config import round_settings
 from queues.lib import seconds
 
 log = logging.getLogger(__name__)
@@ -165,15 +165,16 @@ def _txt_id(resolver: dns.resolver.Resolver, domain: str) -> str | None:
 def fetch_text(resolver: dns.resolver.Resolver, domain: str) -> str:
     """The policy file of ``domain`` over verified HTTPS (``delivery.smtp.https_fetch``:
     one deadline, size caps, public addresses only); raises on any failure."""
+    config = round_settings()
     try:
         body = https_fetch.fetch(
             resolver,
             f"mta-sts.{domain}",
             WELL_KNOWN,  # §3.3: redirects are not followed
-            port=settings.MAILRELAY_MTA_STS_PORT,
-            timeout=seconds(settings.MAILRELAY_MTA_STS_FETCH_TIMEOUT),
-            ca_file=settings.MAILRELAY_TLS_CA_FILE,
-            allow_private=settings.MAILRELAY_MTA_STS_ALLOW_PRIVATE,
+            port=config.mta_sts_port,
+            timeout=seconds(config.mta_sts_fetch_timeout),
+            ca_file=config.tls_ca_file,
+            allow_private=config.mta_sts_allow_private,
             max_body=MAX_POLICY_BYTES,
         )
     except https_fetch.FetchError as exc:

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import lru_cache
 
 from django.conf import settings
 
 from delivery.smtp.retryrules import RetryOptions, RetryRules, Rule, load_rules, parse_rules
 from delivery.smtp.retryschedule import NextRetry, RetryData, next_retry
 from delivery.smtp.types import RecipientResult
+from queues.config import once_per_process
 from queues.lib import address_key, format_duration
 
 FOREVER = timedelta(days=36500)
@@ -90,37 +90,17 @@ def options() -> RetryOptions:
     )
 
 
-def _settings_key() -> tuple:
-    s = settings
-    return (
-        s.MAILRELAY_RETRY_RULES,
-        s.MAILRELAY_QUEUE_GLITCH_RETRY_COUNT,
-        s.MAILRELAY_QUEUE_GLITCH_RETRY_INTERVAL,
-        s.MAILRELAY_TRANSIENT_FAILURE_RETRY_COUNT,
-        s.MAILRELAY_TRANSIENT_FAILURE_RETRY_INTERVAL,
-        s.MAILRELAY_OUTBOUND_CONNECTION_FAILURE_RETRY_INTERVAL,
-        s.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM,
-        s.MAILRELAY_MESSAGE_RETRY_INTERVAL,
-        s.MAILRELAY_RETRY_INTERVAL_MAX,
-        s.MAILRELAY_RETRY_DATA_EXPIRE,
-        s.MAILRELAY_DELAY_AFTER_CUTOFF,
-    )
-
-
-@lru_cache(maxsize=8)
-def _rules_for(key: tuple) -> RetryRules:
+@once_per_process
+def rules() -> RetryRules:
+    """The active rule list: the operator's file (``MAILRELAY_RETRY_RULES``, read
+    once per process) before the rules compiled from Exchange's settings."""
     active = options()
     compiled = parse_rules(exchange_rules_text(), source="Exchange settings", options=active)
-    path = key[0]
+    path = settings.MAILRELAY_RETRY_RULES
     if not path:
         return compiled
     own = load_rules(path, options=active)
     return RetryRules(own.rules + compiled.rules, active, f"{path} + Exchange settings")
-
-
-def rules() -> RetryRules:
-    """The active rule list (cached per settings; the file is read once per process)."""
-    return _rules_for(_settings_key())
 
 
 @dataclass(frozen=True)
@@ -175,11 +155,6 @@ def validate_retry_settings() -> None:
         rules()
     except RetryRuleError as exc:
         raise ImproperlyConfigured(f"MAILRELAY_RETRY_RULES: {exc}") from None
-
-
-def categorizer_retry_at(now: datetime) -> datetime:
-    """Next routing attempt after a temporary DNS failure (Unreachable queue)."""
-    return now + settings.MAILRELAY_CATEGORIZER_RETRY_INTERVAL
 
 
 # --- the retry state of a link and of a deferred recipient (pure: the round's outcome,

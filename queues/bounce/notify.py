@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from django.conf import settings
 from django.db import transaction
 from django.dispatch import Signal
 
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.bodies import body_prefix
 from queues.bounce import dsn
+from queues.config import store_settings
 from queues.lib import clock
 from queues.models import Message, MessageSource, Recipient
 from queues.signals import categorizer_work
@@ -118,7 +118,7 @@ def notify(
             recipients=[IncomingRecipient(message.mail_from)],
             body_type=transport.body_type,
             smtputf8=transport.smtputf8,
-            client_helo=settings.MAILRELAY_HOSTNAME,
+            client_helo=store_settings().hostname,
             protocol="local",
             source=MessageSource.DSN,
             dkim_sign=True,  # ours: the relay vouches for its own reports
@@ -158,21 +158,22 @@ def _report(
         )
         for r in wanted
     ]
+    config = store_settings()
     return dsn.build_dsn(
         kind,
         original,
         lines,
-        reporting_mta=settings.MAILRELAY_HOSTNAME,
+        reporting_mta=config.hostname,
         now=now,
-        max_dsn_size=settings.MAILRELAY_MAX_DSN_SIZE,
-        postmaster=settings.MAILRELAY_POSTMASTER or None,
+        max_dsn_size=config.max_dsn_size,
+        postmaster=config.postmaster or None,
     )
 
 
 def _original(kind: str, message: Message) -> dsn.DsnOriginal:
     """The original as the report needs it: whole when it goes back in full,
     else its header block with the size of the whole."""
-    full = dsn.returns_full(kind, message.ret, message.size, settings.MAILRELAY_MAX_DSN_SIZE)
+    full = dsn.returns_full(kind, message.ret, message.size, store_settings().max_dsn_size)
     if full:
         data, size = original_data(message.pk), None
     else:

@@ -21,10 +21,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count, Max, Min, Q, Sum
 
+from queues.config import store_settings
 from queues.holdings import tally_sql
 from queues.models import (
     WAITING_RECIPIENT_STATES,
@@ -149,7 +149,7 @@ def current_counts(now: datetime) -> CountsAsOf:
     above it (a million queued) a read costs one aggregate and the counts are
     the sweep's, dated by its last recount."""
     stamp = Queue.objects.aggregate(at=Min("counted_at"), total=Sum("message_count"))
-    if (stamp["total"] or 0) <= settings.MAILRELAY_LIVE_COUNTS_UP_TO:
+    if (stamp["total"] or 0) <= store_settings().live_counts_up_to:
         refresh_counts(now)
         return CountsAsOf(now, exact=True)
     return CountsAsOf(stamp["at"], exact=False)

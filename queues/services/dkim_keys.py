@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from django.conf import settings
-
 from queues import accept, dkim, lib
+from queues.config import store_settings
 from queues.lib import clock
 from queues.models import DkimKey
 
@@ -109,7 +108,7 @@ def generate(
     domain, selector = clean_domain(domain), clean_selector(selector)
     algorithm = dkim.ED25519_SHA256 if ed25519 else dkim.RSA_SHA256
     key = dkim.generate_private_key(algorithm)
-    folder = folder if folder is not None else settings.MAILRELAY_DKIM_KEYS_DIR
+    folder = folder if folder is not None else store_settings().dkim_keys_dir
     if folder and not database:
         where = str(_write_key_file(Path(folder), domain, selector, key, force))
     else:
@@ -126,7 +125,7 @@ def keys() -> list[dict[str, Any]]:
     """Every key found (files, then the database), marked with the one each
     domain signs with; ``record``: its TXT record's text."""
     found = []
-    folder = settings.MAILRELAY_DKIM_KEYS_DIR
+    folder = store_settings().dkim_keys_dir
     if folder:
         for path in sorted(Path(folder).glob(f"*{dkim.KEY_SUFFIX}")):
             key = dkim._file_key(path)

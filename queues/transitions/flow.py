@@ -20,10 +20,10 @@ from functools import cache
 from typing import TypeVar
 
 from django.apps import apps
-from django.conf import settings
 from django.db import connection, models, transaction
 from django.db.models import Exists, F, OuterRef, Q
 
+from queues.config import store_settings
 from queues.database import (
     drop_connection,
     field_columns,
@@ -62,7 +62,7 @@ def new_owner() -> str:
 def poisoned(crash_count: int) -> bool:
     """The poison rule: a message whose processing crashed its worker more than
     MAILRELAY_POISON_THRESHOLD times is parked in the Poison queue."""
-    return crash_count > settings.MAILRELAY_POISON_THRESHOLD
+    return crash_count > store_settings().poison_threshold
 
 
 # The categorizer's claim in one statement (PostgreSQL): a message to be tried
@@ -252,7 +252,7 @@ class MessageFlow(models.QuerySet):
         ids = list(ids)
         if not ids:
             return
-        threshold = settings.MAILRELAY_PER_MESSAGE_FAILURES_BEFORE_PROBLEM
+        threshold = store_settings().failures_before_problem
         self.filter(id__in=ids).update(per_message_failures=F("per_message_failures") + 1)
         self.filter(id__in=ids, per_message_failures__gte=threshold).update(problem=True)
 
@@ -649,7 +649,7 @@ def valid_for(lease: timedelta, margin: timedelta | None = None) -> float:
     the lease less the safety margin (at most a third of the lease, so that short
     leases in tests keep two renewals' worth of validity)."""
     if margin is None:
-        margin = settings.MAILRELAY_DELIVERY_LEASE_MARGIN
+        margin = store_settings().lease_margin
     seconds = lease.total_seconds()
     return seconds - min(margin.total_seconds(), seconds / 3)
 
@@ -673,7 +673,7 @@ class Claim:
         self.name = name
         self._renew = renew
         self._monotonic = monotonic
-        self.lease = lease or settings.MAILRELAY_DELIVERY_LEASE
+        self.lease = lease or store_settings().lease
         self.interval = renewal_interval(self.lease)
         self.valid_for = valid_for(self.lease)
         self.renewed_at = monotonic() if acquired_at is None else acquired_at

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.conf import settings
 from django.db import models, transaction
 from django.db.models import F, Q
 
+from queues.config import store_settings
 from queues.states import (
     FINAL_RECIPIENT_STATES,
     WAITING_RECIPIENT_STATES,
@@ -233,7 +233,7 @@ class RecipientQuerySet(RecipientFlow):
             delay_dsn_sent=False,
             lease_until=None,
         )
-        expires_at = now + settings.MAILRELAY_MESSAGE_EXPIRATION_TIMEOUT
+        expires_at = now + store_settings().message_expiration
         Message.objects.filter(id__in=revived).revive(now, expires_at)
         return revived
 
