@@ -464,29 +464,26 @@ class MessageFilter:
         qs = base if base is not None else Message.objects.all()
         if self.qid:
             qs = qs.filter(qid=self.qid.upper())
-        # The substring filters search the text the database keeps indexed once a
-        # message (MessageText), not the rows whose state changes.
         if self.sender:
             if self.sender == "<>":
                 qs = qs.filter(mail_from="")
             else:
-                qs = qs.filter(search_text__mail_from__ticontains=self.sender.strip("<>"))
+                qs = qs.filter(mail_from__ticontains=self.sender.strip("<>"))
         if self.recipient:
-            # The addresses one a line: a search across a line end finds nothing.
             address = self.recipient.strip("<>")
-            qs = (
-                qs.filter(search_text__recipients__ticontains=address)
-                if "\n" not in address
-                else qs.none()
+            qs = qs.filter(
+                Exists(
+                    Recipient.objects.filter(message=OuterRef("pk"), address__ticontains=address)
+                )
             )
         if self.domain:
             qs = qs.filter(
                 Exists(Recipient.objects.filter(message=OuterRef("pk"), domain=self.domain))
             )
         if self.message_id:
-            qs = qs.filter(search_text__msgid__ticontains=self.message_id)
+            qs = qs.filter(message_id__ticontains=self.message_id)
         if self.subject:
-            qs = qs.filter(search_text__subject__ticontains=self.subject)
+            qs = qs.filter(subject__ticontains=self.subject)
         if self.status:
             cond = Q()
             for status in self.status:

@@ -202,7 +202,8 @@ class Message(models.Model):
                 name="message_by_account",
                 condition=~Q(auth_account=""),
             ),
-            # Substring filters on mail_from, subject and message_id search MessageText.
+            # Substring filters on mail_from, subject and message_id use pg_trgm GIN
+            # indexes created by migration 0003 on PostgreSQL only (not in model state).
         ]
 
     def __str__(self) -> str:
@@ -262,35 +263,12 @@ class Recipient(models.Model):
             # Queue Viewer message list filtered by recipient domain:
             # WHERE EXISTS (SELECT 1 FROM recipient WHERE domain = %s AND message_id = m.id)
             models.Index(fields=["domain", "message"], name="recipient_domain"),
-            # The substring filter on address searches MessageText; the one on last_text
-            # uses a pg_trgm GIN index of migration 0003 (PostgreSQL only, not in model state).
+            # Substring filters on address and last_text use pg_trgm GIN indexes created
+            # by migration 0003 on PostgreSQL only (not in model state).
         ]
 
     def __str__(self) -> str:
         return self.address
-
-
-class MessageText(models.Model):
-    """What the Queue Viewer's substring filters search (sender, recipient,
-    Message-ID, Subject), one row a message, derived by the database itself.
-
-    A Message and its Recipients change state several times each; PostgreSQL
-    writes a new entry into every index of a row at each such change, the
-    pg_trgm GIN indexes included (dozens of trigrams a field). Searched here
-    instead, the text is indexed once: the row is written by triggers
-    (migration 0011) when the recipients are inserted, and again only when an
-    operator corrects the sender or a recipient. It is an index the database
-    keeps, not a second truth: no code writes it, and the filters never show
-    it (``queues.filters``).
-    """
-
-    message = models.OneToOneField(
-        Message, on_delete=models.CASCADE, primary_key=True, related_name="search_text"
-    )
-    mail_from = models.CharField(max_length=512, blank=True)
-    subject = models.CharField(max_length=998, blank=True)
-    msgid = models.CharField(max_length=998, blank=True)  # the Message-ID header
-    recipients = models.TextField(blank=True)  # the addresses, one a line, in id order
 
 
 class Attempt(models.Model):
