@@ -142,7 +142,8 @@ class ReplicatedPostgres:
         postmaster = psutil.Process(pid)
         victims = [postmaster, *postmaster.children(recursive=True)]
         for proc in victims:
-            with contextlib.suppress(psutil.NoSuchProcess):
+            # A backend may have exited already (it watches its postmaster).
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
         psutil.wait_procs(victims, timeout=10)
         return len(victims)
