@@ -324,13 +324,21 @@ class PreparedMessage:
     data: bytes | bytearray
 
 
-def prepare_message(env: IncomingEnvelope, data: bytes | bytearray) -> PreparedMessage:
-    """Everything ``message_accept`` does before the database: ids, headers, DKIM."""
+def prepare_message(
+    env: IncomingEnvelope, data: bytes | bytearray, *, sign: bool = True
+) -> PreparedMessage:
+    """Everything ``message_accept`` does before the database: ids, headers, DKIM.
+
+    ``sign=False``: the caller found ``prepares_alone`` true and prepares on its
+    event loop; the keys are not looked at again (they may fall due for a reload
+    from the database just then, which the loop must not do), so the message is
+    prepared as that check saw them: nothing to sign."""
     now = clock.now()
     qid = new_qid()
     prefix, message_id, subject = build_prefix(env, data, qid)
     # Signed once, here, where the body is in memory already (queues.dkim).
-    signature, dkim_error = _dkim_signature(qid, prefix, data) if env.dkim_sign else (b"", "")
+    signed = env.dkim_sign and sign
+    signature, dkim_error = _dkim_signature(qid, prefix, data) if signed else (b"", "")
     message = new_row(
         Message,
         qid=qid,

@@ -232,3 +232,21 @@ def test_only_a_message_nothing_can_sign_is_prepared_on_the_ingress_loop(keys, s
     accept.reset_key_store()
     accept.key_store().keys()
     assert not accept.prepares_alone(signed)  # due for a reload: a database thread
+
+
+def test_a_message_prepared_on_the_loop_does_not_look_at_the_keys_again(keys, monkeypatch):
+    # The loop's prepare_message(sign=False) is prepared as prepares_alone saw
+    # the keys: were they due for a reload just then, the loop must not read
+    # the database for them (it would, and fail, in the event loop).
+    signed = IncomingEnvelope("a@example.com", [IncomingRecipient("b@example.net")], dkim_sign=True)
+
+    def no_reload() -> dict:
+        raise AssertionError("the key store was asked for its keys")
+
+    monkeypatch.setattr(accept.key_store(), "keys", no_reload)
+    prepared = accept.prepare_message(signed, b"From: a@example.com\r\n\r\nbody\r\n", sign=False)
+    assert prepared.message.signature == b""
+    assert prepared.dkim_error == ""
+    # Without sign=False the keys are asked for (the failure is caught: unsigned, said why).
+    again = accept.prepare_message(signed, b"From: a@example.com\r\n\r\nbody\r\n")
+    assert "asked for its keys" in again.dkim_error

@@ -342,7 +342,7 @@ class InboundServer:
         self.uncommitted.value += 1  # received, not committed: from now on (loop only)
         try:
             if prepares_alone(envelope):  # nothing to sign: no thread and back for it
-                prepared = prepare_message(envelope, data)
+                prepared = prepare_message(envelope, data, sign=False)
             else:
                 prepared = await self.in_database(prepare_message, envelope, data)
             assert isinstance(prepared, PreparedMessage)

@@ -94,6 +94,9 @@ RETURNING m.id, m.crash_count
 
 # Finish the messages of ids whose every recipient is final; (id, finished) of
 # each one not done yet (MessageQuerySet.finish_ids).
+# The final recipient states, bound as one array (``<> ALL``) in the statements below.
+_FINAL_STATES = [str(state) for state in FINAL_RECIPIENT_STATES]
+
 _FINISH_SQL = """WITH live AS (SELECT id FROM queues_message
   WHERE id = ANY(%(ids)s::bigint[]) AND state <> %(done)s),
 f AS (UPDATE queues_message AS m SET state = %(done)s, completed_at = %(now)s,
@@ -217,9 +220,8 @@ class MessageFlow(models.QuerySet):
         if not postgresql():
             return self.filter(id__in=ids).finish(now)
         with connection.cursor() as cur:
-            final = [str(state) for state in FINAL_RECIPIENT_STATES]
             done = MessageState.DONE
-            cur.execute(_FINISH_SQL, {"ids": ids, "done": done, "now": now, "final": final})
+            cur.execute(_FINISH_SQL, {"ids": ids, "done": done, "now": now, "final": _FINAL_STATES})
             rows = cur.fetchall()
         if again:
             self.finish_after_commit([mid for mid, finished in rows if not finished], now)
@@ -447,10 +449,10 @@ class RecipientFlow(models.QuerySet):
         Returns how to read the rows written, once the caller's transaction
         committed; reading them checks again the messages it could not finish
         (``MessageQuerySet.finish_after_commit``)."""
-        ids, final = [a["recipient_id"] for a in attempts], list(FINAL_RECIPIENT_STATES)
+        ids = [a["recipient_id"] for a in attempts]
         params = {"rows": jsonb_payload(attempts), "ids": ids, "owner": owner, "now": now}
         cur = connection.cursor()
-        cur.execute(_record_delivered_sql(), params | {"final": final})
+        cur.execute(_record_delivered_sql(), params | {"final": _FINAL_STATES})
 
         def written() -> list[Delivered]:
             rows = [
