@@ -8,9 +8,13 @@ Django's ``bulk_update`` builds a CASE expression per field and row in
 Python, and ``bulk_create`` prepares every value and sends a placeholder
 each, which costs more than the statement itself for a few hundred rows.
 On PostgreSQL the batch goes as ONE JSON parameter read by
-``jsonb_to_recordset()`` (``jsonb_rows``, ``jsonb_payload``): the JSON
+``json_to_recordset()`` (``json_rows``, ``json_payload``): the JSON
 encoder is several times cheaper than psycopg's binding of a VALUES list
-(23 placeholders a row) or of one array per column. Used by every batch
+(23 placeholders a row) or of one array per column. ``json``, not ``jsonb``:
+the server only checks the text and reads each row's fields once, where
+``jsonb`` first builds the whole document in its binary form (a batch of 20
+tracking rows: 0.24–0.31 ms against 0.42–0.51 ms of the server's time,
+bench/README.md "Session 18"); the values come out the same. Used by every batch
 write of the hot paths: a round's recipients (``update_json``), its
 attempts and tracking rows (``insert_json``), the webhook outbox.
 ``bulk_update_rows`` writes ``UPDATE … FROM (VALUES …)``; other databases
@@ -67,27 +71,27 @@ def _json_value(value: object) -> str:
     return value.isoformat() if isinstance(value, datetime) else str(value)
 
 
-def jsonb_payload(rows: Iterable[Mapping[str, object]]) -> str:
-    """The batch as the one JSON parameter of ``jsonb_rows`` (times as ISO text)."""
+def json_payload(rows: Iterable[Mapping[str, object]]) -> str:
+    """The batch as the one JSON parameter of ``json_rows`` (times as ISO text)."""
     return json.dumps(list(rows), default=_json_value)
 
 
-def jsonb_rows(alias: str, columns: Sequence[tuple[str, str]], placeholder: str = "%s") -> str:
-    """``jsonb_to_recordset(%s::jsonb) AS alias(column type, …)``: the batch as a
-    table in a statement; its parameter is ``jsonb_payload(rows)``."""
+def json_rows(alias: str, columns: Sequence[tuple[str, str]], placeholder: str = "%s") -> str:
+    """``json_to_recordset(%s::json) AS alias(column type, …)``: the batch as a
+    table in a statement; its parameter is ``json_payload(rows)``."""
     typed = ", ".join(f"{name} {kind}" for name, kind in columns)
-    return f"jsonb_to_recordset({placeholder}::jsonb) AS {alias}({typed})"
+    return f"json_to_recordset({placeholder}::json) AS {alias}({typed})"
 
 
 def json_column_type(field: models.Field) -> str:
-    """The column type of a model field in a ``jsonb_rows`` column list."""
+    """The column type of a model field in a ``json_rows`` column list."""
     if field.is_relation:
         return "bigint"
     return field.cast_db_type(connection) or "text"
 
 
 def field_columns(model: type[models.Model], names: Sequence[str]) -> list[tuple[str, str]]:
-    """(column, type) of ``names``, fields of ``model``, for ``jsonb_rows``."""
+    """(column, type) of ``names``, fields of ``model``, for ``json_rows``."""
     meta = model._meta
     return [(f.column, json_column_type(f)) for f in (meta.get_field(n) for n in names)]
 
@@ -148,12 +152,12 @@ def pipelined() -> Iterator[None]:
 def insert_json(
     table: str, columns: Sequence[tuple[str, str]], rows: Sequence[Mapping[str, object]]
 ) -> None:
-    """``INSERT INTO table (columns) SELECT columns FROM jsonb_rows`` (PostgreSQL),
+    """``INSERT INTO table (columns) SELECT columns FROM json_rows`` (PostgreSQL),
     in the caller's transaction; ``rows`` map each column to its value."""
     names = ", ".join(name for name, _ in columns)
-    sql = f"INSERT INTO {table} ({names}) SELECT {names} FROM {jsonb_rows('x', columns)}"
+    sql = f"INSERT INTO {table} ({names}) SELECT {names} FROM {json_rows('x', columns)}"
     with prepared_cursor() as cur:
-        cur.execute(sql, [jsonb_payload(rows)])
+        cur.execute(sql, [json_payload(rows)])
 
 
 def insert_all(rows: Sequence[models.Model]) -> None:
@@ -186,19 +190,19 @@ def update_json(
     where: str = "",
     params: Sequence[object] = (),
 ) -> set[int]:
-    """``UPDATE table AS t SET column = v.column, … FROM jsonb_rows WHERE t.id =
+    """``UPDATE table AS t SET column = v.column, … FROM json_rows WHERE t.id =
     v.id [AND where] RETURNING t.id`` (PostgreSQL): each row (with its ``id``)
     written in one statement, ``where`` (on ``t``, with ``params``) fencing
     which; returns the ids written."""
     assignments = ", ".join(f"{name} = v.{name}" for name, _ in columns)
-    recordset = jsonb_rows("v", [("id", "bigint"), *columns])
+    recordset = json_rows("v", [("id", "bigint"), *columns])
     sql = (
         f"UPDATE {table} AS t SET {assignments} FROM {recordset} WHERE t.id = v.id"
         + (f" AND {where}" if where else "")
         + " RETURNING t.id"
     )
     with connection.cursor() as cur:
-        cur.execute(sql, [jsonb_payload(rows), *params])
+        cur.execute(sql, [json_payload(rows), *params])
         return {row[0] for row in cur.fetchall()}
 
 

@@ -29,7 +29,7 @@ from celery import current_app
 from django.db import DatabaseError, connection, transaction
 
 from queues import counters
-from queues.database import insert_json, jsonb_payload, jsonb_rows
+from queues.database import insert_json, json_payload, json_rows
 from queues.lib import clock, scrub_nul
 from queues.models import AuditEntry, DeliveryType, Link, Message, Queue, RecipientState
 from queues.signals import PLACED_FACTS
@@ -87,7 +87,7 @@ class Row:
 
 
 COLUMNS = tuple(Row.__dataclass_fields__)
-# PostgreSQL: one INSERT … SELECT FROM jsonb_to_recordset() of the whole batch
+# PostgreSQL: one INSERT … SELECT FROM json_to_recordset() of the whole batch
 # as one JSON parameter: a VALUES list (23 placeholders a row) or one array
 # per column cost psycopg several times more CPU to send than the JSON encoder.
 PG_TYPES = {
@@ -285,7 +285,7 @@ PG_INSERT = (
     "next_attempt_at, attempts, lease_owner, last_error) "
     "SELECT x.endpoint_id, x.event_id, x.event, x.body, 'pending', %s, %s, 0, '', '' "
     "FROM "
-    + jsonb_rows(
+    + json_rows(
         "x", [("endpoint_id", "bigint"), ("event_id", "uuid"), ("event", "text"), ("body", "text")]
     )
     + f" JOIN {ENDPOINTS} e ON e.id = x.endpoint_id FOR KEY SHARE OF e"
@@ -321,7 +321,7 @@ def enqueue(rows: Sequence[Any]) -> int:
             batch = [
                 {"endpoint_id": e, "event_id": str(i), "event": t, "body": b} for e, i, t, b in out
             ]
-            cur.execute(PG_INSERT, [now, now, jsonb_payload(batch)])
+            cur.execute(PG_INSERT, [now, now, json_payload(batch)])
         else:
             when = connection.ops.adapt_datetimefield_value(now)
             cur.executemany(

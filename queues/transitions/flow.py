@@ -27,8 +27,8 @@ from queues.config import store_settings
 from queues.database import (
     drop_connection,
     field_columns,
-    jsonb_payload,
-    jsonb_rows,
+    json_payload,
+    json_rows,
     postgresql,
     retry_outages,
     update_json,
@@ -412,7 +412,7 @@ class RecipientFlow(models.QuerySet):
         (ACTIVE with its token) are written, and locked until the caller's
         transaction ends; returns their ids. ``rows`` (the round's loaded rows)
         are updated in place, for the NDRs and counters that follow. On
-        PostgreSQL one ``UPDATE … FROM jsonb_to_recordset(…) … RETURNING id``.
+        PostgreSQL one ``UPDATE … FROM json_to_recordset(…) … RETURNING id``.
         """
         if not outcomes:
             return set()
@@ -450,7 +450,7 @@ class RecipientFlow(models.QuerySet):
         committed; reading them checks again the messages it could not finish
         (``MessageQuerySet.finish_after_commit``)."""
         ids = [a["recipient_id"] for a in attempts]
-        params = {"rows": jsonb_payload(attempts), "ids": ids, "owner": owner, "now": now}
+        params = {"rows": json_payload(attempts), "ids": ids, "owner": owner, "now": now}
         cur = connection.cursor()
         cur.execute(_record_delivered_sql(), params | {"final": _FINAL_STATES})
 
@@ -530,7 +530,7 @@ def _record_delivered_sql() -> str:
     names = [f.attname for f in fields if f.attname not in ("id", "queue_id")]
     columns = field_columns(attempt, names)
     return f"""
-WITH v AS (SELECT * FROM {jsonb_rows("v", [*columns, ("last_host", "text")], "%(rows)s")}),
+WITH v AS (SELECT * FROM {json_rows("v", [*columns, ("last_host", "text")], "%(rows)s")}),
 r AS (UPDATE queues_recipient AS t SET state = '{RecipientState.DELIVERED}',
   attempt_count = t.attempt_count + 1, last_attempt_at = v.started_at, last_code = v.code,
   last_enhanced = v.enhanced, last_text = v.text, last_host = v.last_host,
