@@ -12,7 +12,8 @@ from django.core.exceptions import ImproperlyConfigured
 from delivery.checks import validate_routing_settings
 from delivery.route.routing import NextHop
 from delivery.smtp.client import deliver, load_auth, plan, requirement
-from delivery.smtp.connection import IMPLICIT_TLS_PORT, ClientConfig
+from delivery.smtp.clientconfig import ClientConfig
+from delivery.smtp.connection import IMPLICIT_TLS_PORT
 from delivery.smtp.tls import Credentials, lookup_auth
 from delivery.smtp.types import BatchResult
 from tests.test_smtp_client import A, Target, config, message

@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 
 from delivery.smtp.client import deliver
-from delivery.smtp.connection import END_MARK, ClientConfig, stuffed
+from delivery.smtp.clientconfig import ClientConfig
+from delivery.smtp.connection import END_MARK, stuffed
 from delivery.smtp.types import BatchResult, OutboundMessage, OutboundRecipient, RecipientResult
 
 A, B = "127.0.0.2", "127.0.0.3"

@@ -34,8 +34,8 @@ from delivery.shaping import adaptive, policy
 from delivery.shaping import limiter as limiter_module
 from delivery.shaping.limiter import Grant, Limiter, limiter, warn_unavailable
 from delivery.shaping.policy import Entry, Policy
+from delivery.smtp.clientconfig import ClientConfig
 from delivery.smtp.config import round_settings
-from delivery.smtp.connection import ClientConfig
 from delivery.smtp.types import BatchResult, OutboundMessage
 from queues.config import store_settings
 from queues.lib import clock

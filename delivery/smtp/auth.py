@@ -13,7 +13,8 @@ from __future__ import annotations
 import base64
 
 from delivery.smtp import outcome
-from delivery.smtp.connection import CRLF, Connection, Reply, SessionFailed
+from delivery.smtp.connection import CRLF, Connection, Reply
+from delivery.smtp.failure import SessionFailed
 from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
 from delivery.smtp.tls import TLS_REQUIRED, Credentials
 

@@ -52,18 +52,17 @@ from datetime import datetime
 from delivery.route.routing import configured_hops, hop_label
 from delivery.smtp import outcome
 from delivery.smtp.auth import authenticate
+from delivery.smtp.clientconfig import ClientConfig
 from delivery.smtp.config import round_settings
 from delivery.smtp.connection import (
     IMPLICIT_TLS_PORT,
     READ_LIMIT,
-    ClaimLost,
-    ClientConfig,
     Connection,
     LoadBody,
-    SessionFailed,
+    SessionCache,
     discard,
 )
-from delivery.smtp.failure import NoPeer, TargetFailure
+from delivery.smtp.failure import ClaimLost, NoPeer, SessionFailed, TargetFailure
 from delivery.smtp.outcome import Recorder, Security
 from delivery.smtp.tls import ENHANCED as TLS_ENHANCED
 from delivery.smtp.tls import (
@@ -174,12 +173,14 @@ class _Batch:
         still_owner: StillOwner | None = None,
         load_body: LoadBody | None = None,
         on_sent: OnSent | None = None,
+        cache: SessionCache | None = None,
     ) -> None:
         self.targets = list(targets)
         self.config = config
         self.still_owner = still_owner
         self.load_body = load_body
         self.on_sent = on_sent
+        self.cache = cache
         # still_owner() said False once: nothing new starts from then on.
         self.abandoned = False
         self.states = [_TargetState() for _ in self.targets]
@@ -235,9 +236,11 @@ class _Batch:
     def requirement(self, target: Peer) -> TlsRequirement:
         return self.config.tls_for(target) if self.config.tls_for is not None else MAY
 
-    async def open(self, index: int, use_tls: bool) -> Connection | TargetFailure:
-        """Connect, read the greeting, EHLO, STARTTLS when offered (or when the
-        TLS policy requires it: never cleartext then), AUTH when configured."""
+    async def open(self, index: int, use_tls: bool, count: int = 1) -> Connection | TargetFailure:
+        """A session kept by an earlier round that can carry ``count`` more
+        messages (``connection.SessionCache``); else connect, read the greeting,
+        EHLO, STARTTLS when offered (or when the TLS policy requires it: never
+        cleartext then), AUTH when configured."""
         target = self.targets[index]
         state = self.states[index]
         req = self.requirement(target)
@@ -249,10 +252,24 @@ class _Batch:
                     outcome.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level
                 )
             )
+        key = self._session_key(target, req, use_tls)
+        if self.cache is not None:
+            kept = await self.cache.take(key, count, self.config.max_messages_per_connection)
+            if kept is not None:
+                kept.config = self.config  # this round's timeouts (the same TLS and AUTH)
+                self.connected = True
+                return kept
         opened = await self._connect(target, state, req)
         if isinstance(opened, TargetFailure):
             return opened
+        opened.session_key = key
         return await self._start(opened, state, req, use_tls)
+
+    def _session_key(self, target: Peer, req: TlsRequirement, use_tls: bool) -> tuple:
+        """What a kept session must share with a new one to stand for it."""
+        creds = self.config.auth_for(target) if self.config.auth_for is not None else None
+        where = (target.host, target.ip, target.port)
+        return (*where, req, creds, use_tls, self.config.source_address)
 
     async def _connect(
         self, target: Peer, state: _TargetState, req: TlsRequirement
@@ -421,7 +438,7 @@ class _Batch:
         for index, use_tls in self.candidates():
             if not remaining or not self.owner():
                 break
-            opened = await self.open(index, use_tls)
+            opened = await self.open(index, use_tls, len(remaining))
             if isinstance(opened, TargetFailure):
                 failure = opened
                 continue
@@ -460,6 +477,7 @@ class _Batch:
                 load = self.load_body if ahead is None else _given(ahead)
                 ahead = None
                 await conn.send(remaining[0], rec, load)
+                conn.sent += 1
                 done = rec.results()
                 self.results.extend(done)
                 if self.on_sent is not None and done:
@@ -468,7 +486,8 @@ class _Batch:
                 rec = None
             if recorded is not None:
                 await recorded
-            await conn.quit()
+            if not (self.cache is not None and self.owner() and self.cache.keep(conn)):
+                await conn.quit()
             return None
         except ClaimLost as exc:
             # Nothing of the message in progress is recorded: its recipients
@@ -555,6 +574,7 @@ async def deliver(
     still_owner: StillOwner | None = None,
     load_body: LoadBody | None = None,
     on_sent: OnSent | None = None,
+    cache: SessionCache | None = None,
 ) -> BatchResult:
     """Deliver ``messages`` to one destination, trying ``targets`` in order.
 
@@ -577,6 +597,10 @@ async def deliver(
     first: a crash re-sends at most the message in flight on each
     connection). The returned ``BatchResult`` still holds every result.
 
+    ``cache`` (a ``connection.SessionCache``, whose loop runs this coroutine)
+    keeps the sessions that finished their group for the task's next round,
+    and gives this round those an earlier one kept.
+
     Steps:
     1. split the messages into balanced groups of at most
        ``group_size`` (spread over the connections, at least
@@ -591,7 +615,7 @@ async def deliver(
 
     Never raises for network problems; cancellation propagates.
     """
-    batch = _Batch(targets, config, still_owner, load_body, on_sent)
+    batch = _Batch(targets, config, still_owner, load_body, on_sent, cache)
     groups = deque(_split_groups(messages, group_size(len(messages), config)))
 
     async def worker() -> None:

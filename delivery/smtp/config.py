@@ -1,7 +1,7 @@
 """What a delivery round reads from settings, once per process (``queues.config``).
 
 The SMTP session's own limits (timeouts, connections, messages a connection)
-are ``connection.ClientConfig``, read once per process by ``deliver``; the
+are ``clientconfig.ClientConfig``, read once per process by ``deliver``; the
 claims' lease is the store's (``queues.config.store_settings``).
 """
 

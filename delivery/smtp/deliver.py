@@ -20,8 +20,10 @@ from django.db import connection, transaction
 
 from delivery.route.routing import DNS_MX, NextHop, order_targets
 from delivery.shaping import gate as shaping_gate
-from delivery.smtp.client import ClientConfig, connections_for, deliver, plan
+from delivery.smtp.client import connections_for, deliver, plan
+from delivery.smtp.clientconfig import ClientConfig
 from delivery.smtp.config import round_settings
+from delivery.smtp.connection import SessionCache
 from delivery.smtp.outcome import (
     Carried,
     Round,
@@ -58,8 +60,7 @@ from queues.transitions import Claim, while_connected, while_renewing
 
 log = logging.getLogger(__name__)
 
-# The SMTP client's limits (timeouts, connections, messages a connection), read
-# once per process.
+# The SMTP client's limits (timeouts, connections, messages a connection), once per process.
 client_config = once_per_process(ClientConfig.from_settings)
 
 
@@ -168,19 +169,19 @@ def _exchange(
     config: ClientConfig,
     claim: Claim,
     record_early: Callable[[list[RecipientResult]], None] | None = None,
+    cache: SessionCache | None = None,
 ) -> BatchResult:
-    """Run the SMTP exchange of one round in an event-loop thread of its own,
-    while this thread (the owner, holding the database connection) renews the
-    claim, reads each body when the client is about to send it, and records
-    each finished message.
+    """Run the SMTP exchange of one round on an event loop (the ``cache``'s,
+    which keeps the task's idle sessions, else its own) while this thread (the
+    owner, holding the database connection) renews the claim, reads each body
+    when the client is about to send it, and records each finished message.
 
-    However long the peers take, the claim stays renewed while this process
-    lives; the client starts nothing more once the claim is no longer held
-    (``Claim.held``: within the lease less its margin since the last renewal).
-    A finished message's results are committed (``record_early``) before its
-    connection starts the next transaction: results that arrive while one
-    commit runs go together in the next (group commit across connections), so
-    a process killed in the middle of a round re-sends at most the message in
+    The claim stays renewed while this process lives, however long the peers
+    take; the client starts nothing more once it is no longer held
+    (``Claim.held``). A finished message's results are committed
+    (``record_early``) before its connection starts the next transaction:
+    those that arrive while one commit runs go together in the next, so a
+    process killed in the middle of a round re-sends at most the message in
     flight on each open connection.
     """
     requests: queue.SimpleQueue = queue.SimpleQueue()  # body requests, sent results, None
@@ -198,18 +199,16 @@ def _exchange(
 
     def run() -> None:
         try:
-            outcome.set_result(
-                asyncio.run(
-                    deliver(
-                        targets,
-                        messages,
-                        config,
-                        still_owner=claim.held,
-                        load_body=load_body,
-                        on_sent=on_sent if record_early is not None else None,
-                    )
-                )
+            exchange = deliver(
+                targets,
+                messages,
+                config,
+                still_owner=claim.held,
+                load_body=load_body,
+                on_sent=on_sent if record_early is not None else None,
+                cache=cache,
             )
+            outcome.set_result(cache.run(exchange) if cache else asyncio.run(exchange))
         except BaseException as exc:  # noqa: BLE001 - handed to the owner thread
             outcome.set_exception(exc)
         finally:
@@ -457,8 +456,11 @@ def _notify_round(rnd: Round) -> None:
             notify(dsn.SUCCESS, message, rnd.relayed[message.pk], now=rnd.now)
 
 
-def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) -> int:
-    """Claim, send and record one round for ``link`` as ``owner``.
+def deliver_round(
+    link: Link, config: ClientConfig, owner: str, claim: Claim, cache: SessionCache | None = None
+) -> int:
+    """Claim, send and record one round for ``link`` as ``owner`` (over the
+    sessions ``cache`` kept from the task's earlier rounds, when given).
 
     Returns how many recipients the round claimed (0: nothing was due, or the
     shaping policy says not now: delivery.shaping.gate).
@@ -466,7 +468,7 @@ def deliver_round(link: Link, config: ClientConfig, owner: str, claim: Claim) ->
     # No MAILRELAY_SHAPING: the built-in limits, and the gate is not consulted.
     shaped = shaping_gate.open_round(link, config, owner) if round_settings().shaping else None
     if shaped is None:
-        return _deliver_round(link, config, owner, claim, None)
+        return _deliver_round(link, config, owner, claim, None, cache)
     if shaped.refused:
         return 0
     try:
@@ -481,6 +483,7 @@ def _deliver_round(
     owner: str,
     claim: Claim,
     shaped: shaping_gate.ShapedRound | None,
+    cache: SessionCache | None = None,
 ) -> int:
     limit = config.max_connections * config.max_messages_per_connection
     if shaped is not None:
@@ -523,6 +526,7 @@ def _deliver_round(
                 (lambda done: _record_early(link, done, owner, claim, carried, index))
                 if RECORD_EACH_MESSAGE
                 else None,
+                cache,
             )
             if shaped is not None:
                 shaped.observe(batch)
@@ -719,6 +723,7 @@ class _LinkOwner:
         # A rerun of the task after an outage keeps its owner (the link's lease
         # may be held already); its rounds are new, not an earlier run's.
         self.run = uuid.uuid4().hex[:4]
+        self.lost = False  # the last claim on the link ran out
 
     def next_round(self) -> str:
         self.rounds += 1
@@ -741,12 +746,22 @@ _round_wait = time.sleep  # MAILRELAY_DELIVERY_ROUND_WAIT between rounds (tests 
 
 
 def deliver_link(link_id: int, owner: str | None = None) -> int:
-    """Deliver everything due on one link, as its only delivery task.
-
-    Returns how many recipients were handled. Exits at once when another task
-    holds the link, or when the link waits for its retry time.
-    """
+    """Deliver everything due on one link, as its only delivery task; returns
+    how many recipients were handled. Exits at once when another task holds
+    the link, or when the link waits for its retry time. The sessions a round
+    ends with go on in the next (not when shaping counts the connections); a
+    task that lost its claim drops them without a word."""
+    cache = None if round_settings().shaping else SessionCache()
     holder = _LinkOwner(link_id, owner or transitions.new_owner())
+    try:
+        return _deliver_link(holder, cache)
+    finally:
+        if cache is not None:
+            cache.close(polite=not holder.lost)
+
+
+def _deliver_link(holder: _LinkOwner, cache: SessionCache | None) -> int:
+    link_id = holder.link_id
     handled = 0
     config = client_config()
     gather = round_settings().round_wait
@@ -760,18 +775,15 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
             count = 0
             while claim.held():
                 if 0 < count < config.max_connections and gather > 0:
-                    # The last round took all that was due, and it was small
-                    # (fewer recipients than connections the link may open):
-                    # let the next one gather what arrives (one round's
-                    # statements for more messages). The first round never
-                    # waits, nor one after a larger round: that link is busy,
-                    # its rounds last long enough to gather, and a wait would
-                    # only leave it idle (bench/README.md "Session 9").
+                    # The last round took all that was due and was small: let
+                    # the next gather what arrives (one round's statements for
+                    # more messages). Not after a larger round: that link is
+                    # busy, a wait would leave it idle (bench/README.md "Session 9").
                     _round_wait(gather)
                 link = while_connected(claim, lambda: Link.objects.get(pk=link_id))
                 if link.next_retry_at and link.next_retry_at > clock.now():
                     break
-                count = deliver_round(link, config, holder.next_round(), claim)
+                count = deliver_round(link, config, holder.next_round(), claim, cache)
                 holder.round = None
                 if not count:
                     break
@@ -779,6 +791,7 @@ def deliver_link(link_id: int, owner: str | None = None) -> int:
                 claim.renew_if_due()  # between rounds too: a lost link ends the task
         finally:
             holder.round = None
+            holder.lost = not claim.held()
             link_release(link_id, holder.owner)
         # Work that arrived while we held the lease rang a bell we swallowed:
         # look once more after letting go.

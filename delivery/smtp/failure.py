@@ -1,4 +1,9 @@
-"""A connection-level failure at one target, as a round's batch remembers it.
+"""How a session fails, and a connection-level failure at one target, as a round's
+batch remembers it.
+
+``SessionFailed`` is what a session that cannot go on raises (no reply, a
+timeout, a protocol error, a 421), ``ClaimLost`` what a round that lost its
+recipients raises before a final dot (``delivery.smtp.connection``).
 
 ``TargetFailure`` is what a target that could not be used leaves the round
 (``delivery.smtp.client``): the phase, reply and Exim error name of the
@@ -13,9 +18,45 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from delivery.smtp import outcome
-from delivery.smtp.connection import SessionFailed
 from delivery.smtp.outcome import Security
 from delivery.smtp.types import Peer
+
+
+class ClaimLost(Exception):
+    """The round lost its recipients in the middle of a transaction: the
+    connection is dropped without the final dot and nothing is recorded."""
+
+
+class SessionFailed(Exception):
+    """The session cannot go on: no reply (lost, timeout, protocol error) or a 421."""
+
+    def __init__(
+        self,
+        phase: str,
+        code: int | None,
+        text: str,
+        note: str = "",
+        error: str = "",
+        enhanced: str = "",
+        in_reply_to: str = "",
+    ) -> None:
+        super().__init__(text)
+        self.in_reply_to = in_reply_to
+        self.phase = phase
+        self.code = code
+        self.text = text
+        # Exim error name when no reply came: "timeout" or "lost_connection";
+        # "" for a protocol error (Exim names none; only "*" rules match it)
+        self.error = error
+        # Added for the message in progress only, not for those never sent.
+        self.note = note
+        # Enhanced code overriding the one classify() picks ("" = keep it).
+        self.enhanced = enhanced
+
+    @property
+    def protocol(self) -> bool:
+        """The peer broke the protocol (a reply too long or malformed)."""
+        return self.enhanced == outcome.PROTOCOL_ERROR_ENHANCED
 
 
 @dataclass(slots=True)
