@@ -203,3 +203,18 @@ def test_a_link_s_delivery_task_goes_on_over_one_session_and_quits_it_at_the_end
     assert relay.wait_idle()
     assert relay.verbs(1)[-1] == "QUIT"  # the task ended: the session was let go
     assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
+
+
+def test_a_round_lets_go_of_sessions_idle_too_long_whatever_their_target(sink_factory, smtp_port):
+    a, b = sink_factory(A), sink_factory(B)
+    cache = SessionCache(keep_idle=0.2)
+    try:
+        round_(cache, [target(B, smtp_port)], [message("b@example.com")], max_connections=1)
+        time.sleep(0.4)
+        # A round to another target: B's session, idle too long, is QUIT as it starts.
+        round_(cache, [target(A, smtp_port)], [message("a@example.com")], max_connections=1)
+        assert b.wait_idle()
+        assert b.verbs(1)[-1] == "QUIT"
+        assert a.active_connections == 1  # A's own session is kept
+    finally:
+        cache.close()

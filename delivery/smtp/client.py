@@ -252,8 +252,8 @@ class _Batch:
                     outcome.CONNECT, None, text, target, TLS_REQUIRED, TLS_ENHANCED, "", req.level
                 )
             )
-        key = self._session_key(target, req, use_tls)
-        if self.cache is not None:
+        key = None if self.cache is None else self._session_key(target, req, use_tls)
+        if self.cache is not None and key is not None:
             kept = await self.cache.take(key, count, self.config.max_messages_per_connection)
             if kept is not None:
                 kept.config = self.config  # this round's timeouts (the same TLS and AUTH)

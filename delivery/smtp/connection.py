@@ -686,7 +686,8 @@ class SessionCache:
     loses its claim has nothing in flight there (``close(polite=False)``
     drops it without a word). One session still carries at most
     ``max_messages_per_connection`` messages over all its rounds; one idle
-    for ``KEEP_IDLE`` seconds is QUIT; one is taken only after an RSET
+    for ``KEEP_IDLE`` seconds is QUIT when the next round starts or a
+    connection looks for one; one is taken only after an RSET
     answered 250, so a peer that closed it meanwhile costs a new connection,
     never a message's try. A session belongs to an event loop: the cache runs
     one in a thread of its own for the task's life, and the rounds run their
@@ -708,7 +709,28 @@ class SessionCache:
                 target=self._loop.run_forever, name="smtp-sessions", daemon=True
             )
             self._thread.start()
-        return asyncio.run_coroutine_threadsafe(_alone(coro), self._loop).result()
+        return asyncio.run_coroutine_threadsafe(self._alone(coro), self._loop).result()
+
+    async def _alone(self, coro: Coroutine[object, object, T]) -> T:
+        """Let go of the sessions idle too long (those of every target), run
+        ``coro``, then cancel what it left running."""
+        await self._let_go(time.monotonic() - self.keep_idle)
+        try:
+            return await coro
+        finally:
+            left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+
+    async def _let_go(self, idle_since: float) -> None:
+        """QUIT, without waiting for the reply, the sessions kept before ``idle_since``."""
+        stale = []
+        for kept in self._idle.values():
+            stale += [entry for entry in kept if entry[1] < idle_since]
+            kept[:] = [entry for entry in kept if entry[1] >= idle_since]
+        for conn, _since in stale:
+            await discard(conn, polite=True)
 
     def keep(self, conn: Connection) -> bool:
         """Keep ``conn`` (idle, after its group) when it may carry more."""
@@ -721,23 +743,17 @@ class SessionCache:
         """A kept session for ``key`` that may carry ``count`` more messages
         (``limit`` in all) and answers an RSET; those idle too long, or dead,
         are closed."""
+        await self._let_go(time.monotonic() - self.keep_idle)
         kept = self._idle.get(key, [])
-        now = time.monotonic()
-        # Taken off the list before any await: the round's other connections
-        # look at the same list meanwhile.
-        stale = [entry for entry in kept if now - entry[1] > self.keep_idle]
-        for entry in stale:
-            kept.remove(entry)
-        found = None
-        while found is None:
+        while True:
+            # Taken off the list before any await: the round's other
+            # connections look at the same list meanwhile.
             entry = next((e for e in kept if e[0].sent + count <= limit), None)
             if entry is None:
-                break
+                return None
             kept.remove(entry)
-            found = entry[0] if await _answers(entry[0]) else None
-        for conn, _since in stale:
-            await discard(conn, polite=True)
-        return found
+            if await _answers(entry[0]):
+                return entry[0]
 
     def close(self, polite: bool = True) -> None:
         """QUIT (``polite``) or drop every kept session, and stop the loop
@@ -760,16 +776,6 @@ class SessionCache:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
-
-
-async def _alone(coro: Coroutine[object, object, T]) -> T:
-    try:
-        return await coro
-    finally:
-        left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
 
 
 async def _answers(conn: Connection) -> bool:
