@@ -93,10 +93,16 @@ def test_a_session_carries_at_most_max_messages_per_connection_over_its_rounds(
             max_connections=1,
             max_messages_per_connection=4,
         )
-    # 3 + 3 would be 6 on one connection: the second round opened another;
-    # the third (one message) went on over the first, which had room for one.
-    assert sink.per_connection() == [4, 3]
-    assert sink.verbs(1)[-1] == "QUIT"  # full: let go at once, not kept
+    # 3 + 3 would be 6 on one connection: the second round let the first go
+    # (it would only have idled beside the new one) and opened another, which
+    # the third round (one message: 3 + 1) went on over.
+    assert sink.per_connection() == [3, 4]
+    assert sink.verbs(1)[-1] == "QUIT"
+    # Never more open than the link may have (one): the first was QUIT before
+    # the second said anything.
+    commands = list(sink.commands)
+    assert commands.index((1, "QUIT")) < min(i for i, (n, _v) in enumerate(commands) if n == 2)
+    assert sink.wait_until(lambda: sink.active_connections == 0)  # full after 4: not kept
 
 
 def test_a_session_the_peer_closed_meanwhile_costs_a_connection_not_a_try(sink, smtp_port, cache):

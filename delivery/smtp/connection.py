@@ -741,10 +741,17 @@ class SessionCache:
 
     async def take(self, key: tuple, count: int, limit: int) -> Connection | None:
         """A kept session for ``key`` that may carry ``count`` more messages
-        (``limit`` in all) and answers an RSET; those idle too long, or dead,
-        are closed."""
+        (``limit`` in all) and answers an RSET; those idle too long, dead, or
+        without room for ``count`` are closed."""
         await self._let_go(time.monotonic() - self.keep_idle)
         kept = self._idle.get(key, [])
+        # One without room for this group would only idle beside the new
+        # connection the group opens, past the link's connection limit.
+        full = [entry for entry in kept if entry[0].sent + count > limit]
+        for entry in full:
+            kept.remove(entry)
+        for conn, _since in full:
+            await discard(conn, polite=True)
         while True:
             # Taken off the list before any await: the round's other
             # connections look at the same list meanwhile.
