@@ -162,6 +162,15 @@ def test_a_task_that_lost_its_claim_drops_its_kept_sessions_without_a_word(sink,
     assert "QUIT" not in sink.verbs(1)
 
 
+def test_a_lost_claim_drops_even_the_sessions_idle_too_long_without_a_word(sink, smtp_port):
+    cache = SessionCache(keep_idle=0.2)
+    round_(cache, [target(A, smtp_port)], [message("a@example.com")], max_connections=1)
+    time.sleep(0.4)
+    cache.close(polite=False)
+    assert sink.wait_idle()
+    assert "QUIT" not in sink.verbs(1)
+
+
 def test_a_round_without_a_cache_quits_its_sessions(sink, smtp_port):
     import asyncio
 

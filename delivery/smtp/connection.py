@@ -778,7 +778,8 @@ class SessionCache:
                     conn.abort()
 
         try:
-            self.run(drop())
+            # Not through run(): letting the idle ones go first would QUIT them.
+            asyncio.run_coroutine_threadsafe(drop(), self._loop).result()
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
