@@ -69,6 +69,27 @@ _TASK_DONE = re.compile(
 )
 
 
+def pg_stats() -> dict[str, int]:
+    """pg_stat_database counters of the bench database (read from the admin database).
+
+    PostgreSQL 15 backends flush their counters at most once a second and
+    when they exit: read these a little after the work is done.
+    """
+    cols = ", ".join(PG_STATS)
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        row = conn.execute(
+            f"SELECT {cols} FROM pg_stat_database WHERE datname = %s", (DB_NAME,)
+        ).fetchone()
+        # The whole cluster's WAL (only the bench's database is busy during its
+        # phase): every row and index entry written is a WAL record, the
+        # machine-independent measure of what the store's writes cost.
+        wal = conn.execute("SELECT wal_records, wal_bytes FROM pg_stat_wal").fetchone()
+    stats = dict(zip(PG_STATS, (int(v or 0) for v in row), strict=True)) if row else {}
+    if stats and wal:
+        stats.update(wal_records=int(wal[0] or 0), wal_bytes=int(wal[1] or 0))
+    return stats
+
+
 @dataclass
 class DbCheck:
     messages: int
@@ -364,24 +385,7 @@ class Mailrelay:
 
     # -- activity counters ------------------------------------------------------------
     def pg_stats(self) -> dict[str, int]:
-        """pg_stat_database counters of the bench database (read from the admin database).
-
-        PostgreSQL 15 backends flush their counters at most once a second and
-        when they exit: read these a little after the work is done.
-        """
-        cols = ", ".join(PG_STATS)
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            row = conn.execute(
-                f"SELECT {cols} FROM pg_stat_database WHERE datname = %s", (DB_NAME,)
-            ).fetchone()
-            # The whole cluster's WAL (only the bench's database is busy during its
-            # phase): every row and index entry written is a WAL record, the
-            # machine-independent measure of what the store's writes cost.
-            wal = conn.execute("SELECT wal_records, wal_bytes FROM pg_stat_wal").fetchone()
-        stats = dict(zip(PG_STATS, (int(v or 0) for v in row), strict=True)) if row else {}
-        if stats and wal:
-            stats.update(wal_records=int(wal[0] or 0), wal_bytes=int(wal[1] or 0))
-        return stats
+        return pg_stats()
 
     def worker_log_offset(self) -> int:
         try:

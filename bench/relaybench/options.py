@@ -20,6 +20,12 @@ def _systems(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-postfix", action="store_true", help="measure mailrelay only")
     p.add_argument("--skip-mailrelay", action="store_true", help="measure Postfix only")
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="run the design's floor (relaybench/floor.py: aiosmtpd, a group commit into "
+        "PostgreSQL, 20 kept sessions out, nothing else) in mailrelay's place",
+    )
+    p.add_argument(
         "--workers",
         choices=("make-run", "single"),
         default="make-run",
