@@ -57,6 +57,33 @@ WAITING = (
 )
 DONE = "UPDATE floor_message SET done = true WHERE id = ANY(%s)"
 SESSIONS = 20
+HERE = __file__
+
+
+# --- what the bench (relay_throughput --floor) calls, in its own process ------------
+
+
+def command(python: str, listen: str, next_hop: str, database: str) -> list[str]:
+    """The command line that starts the floor relay."""
+    return [python, HERE, "--listen", listen, "--next-hop", next_hop, "--database", database]
+
+
+def reset(database: str) -> None:
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("TRUNCATE floor_message")
+
+
+def wait_done(database: str, expected: int, timeout: float) -> tuple[int, int]:
+    """(stored, done) once every one of ``expected`` messages is done, or at the timeout."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(database, autocommit=True) as conn:
+        while True:
+            stored, done = conn.execute(
+                "SELECT count(*), count(*) FILTER (WHERE done) FROM floor_message"
+            ).fetchone()
+            if stored == done == expected or time.monotonic() > deadline:
+                return stored, done
+            time.sleep(0.2)
 
 
 def host_port(text: str) -> tuple[str, int]:

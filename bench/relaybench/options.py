@@ -20,6 +20,12 @@ def _systems(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-postfix", action="store_true", help="measure mailrelay only")
     p.add_argument("--skip-mailrelay", action="store_true", help="measure Postfix only")
     p.add_argument(
+        "--wal-by-relation",
+        action="store_true",
+        help="after each mailrelay phase, PostgreSQL's WAL of the phase by table and index "
+        "(pg_waldump; root on the database's machine)",
+    )
+    p.add_argument(
         "--floor",
         action="store_true",
         help="run the design's floor (relaybench/floor.py: aiosmtpd, a group commit into "
