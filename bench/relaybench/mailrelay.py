@@ -90,10 +90,6 @@ def pg_stats() -> dict[str, int]:
     return stats
 
 
-def pg_stats() -> dict[str, int]:
-    return pg_stats()
-
-
 @dataclass
 class DbCheck:
     messages: int
