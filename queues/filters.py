@@ -464,11 +464,14 @@ class MessageFilter:
         qs = base if base is not None else Message.objects.all()
         if self.qid:
             qs = qs.filter(qid=self.qid.upper())
+        # The substring filters on the sender, the Message-ID and the Subject search
+        # the text the database keeps once a message (MessageText, its trigram
+        # indexes), not the message's row, whose state changes.
         if self.sender:
             if self.sender == "<>":
                 qs = qs.filter(mail_from="")
             else:
-                qs = qs.filter(mail_from__ticontains=self.sender.strip("<>"))
+                qs = qs.filter(search_text__mail_from__ticontains=self.sender.strip("<>"))
         if self.recipient:
             address = self.recipient.strip("<>")
             qs = qs.filter(
@@ -481,9 +484,9 @@ class MessageFilter:
                 Exists(Recipient.objects.filter(message=OuterRef("pk"), domain=self.domain))
             )
         if self.message_id:
-            qs = qs.filter(message_id__ticontains=self.message_id)
+            qs = qs.filter(search_text__msgid__ticontains=self.message_id)
         if self.subject:
-            qs = qs.filter(subject__ticontains=self.subject)
+            qs = qs.filter(search_text__subject__ticontains=self.subject)
         if self.status:
             cond = Q()
             for status in self.status:

@@ -54,7 +54,13 @@ DB_URL = f"postgres://postgres@127.0.0.1:5432/{DB_NAME}"
 REDIS_URL = f"redis://127.0.0.1:6379/{os.environ.get('MAILRELAY_BENCH_REDIS_DB', '13')}"
 DKIM_ALGORITHMS = ("none", "rsa", "ed25519")
 DKIM_SELECTOR = "bench"
-MESSAGE_TABLES = ("queues_attempt", "queues_event", "queues_recipient", "queues_message")
+MESSAGE_TABLES = (
+    "queues_attempt",
+    "queues_event",
+    "queues_recipient",
+    "queues_message",
+    "queues_messagetext",
+)
 PG_STATS = (
     "sessions",
     "xact_commit",
