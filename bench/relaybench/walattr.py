@@ -8,8 +8,9 @@ relation it touches, named from ``pg_class``'s file nodes. Every row version
 and every index entry written is a WAL record, so this says, independently of
 the machine's speed, which table or index a message's writes go to: a GIN
 index that takes a new entry for every trigram at every row version shows as
-what it is. Other databases' writes in the same window are counted too (they
-show under a file node number, not a name).
+what it is. Only records that name a relation of the bench's database are
+counted: other databases' writes in the same window (a test suite running
+beside) and records that name no relation (commits) are left out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import psycopg
 
 ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 _RECORD = re.compile(r"rmgr: (\w+)\s+len \(rec/tot\):\s*\d+/\s*(\d+).*?desc: (\w+)")
-_RELATION = re.compile(r"rel \d+/\d+/(\d+)")
+_RELATION = re.compile(r"rel \d+/(\d+)/(\d+)")
 
 
 def current_lsn() -> str:
@@ -42,6 +43,11 @@ def _waldump() -> tuple[Path, Path]:
 def by_relation(start: str, end: str, database_url: str, messages: int, top: int = 24) -> str:
     """A table of the WAL between ``start`` and ``end``, per message, by relation."""
     with psycopg.connect(database_url, autocommit=True) as conn:
+        database = str(
+            conn.execute(
+                "SELECT oid FROM pg_database WHERE datname = current_database()"
+            ).fetchone()[0]
+        )
         rows = conn.execute(
             "SELECT pg_relation_filenode(oid)::text, relname FROM pg_class "
             "WHERE pg_relation_filenode(oid) IS NOT NULL"
@@ -61,7 +67,9 @@ def by_relation(start: str, end: str, database_url: str, messages: int, top: int
         if not m:
             continue
         r = _RELATION.search(line)
-        name = names.get(r.group(1), r.group(1)) if r else f"({m.group(1)})"
+        if not r or r.group(1) != database:
+            continue
+        name = names.get(r.group(2), r.group(2))
         records[name] += 1
         size[name] += int(m.group(2))
     total = sum(size.values()) or 1
