@@ -112,3 +112,15 @@ def test_the_text_goes_with_its_message():
     gone = [make_message("u@example.net"), make_message("v@example.net")]
     Message.objects.filter(pk__in=[m.pk for m in gone]).delete()
     assert list(MessageText.objects.values_list("message_id", flat=True)) == [kept.pk]
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="TRUNCATE: PostgreSQL")
+@pytest.mark.django_db(transaction=True)  # no deferred foreign-key checks pending
+def test_a_truncate_of_the_messages_empties_the_text_and_the_ids_start_again():
+    make_message("u@example.net")
+    with connection.cursor() as cur:
+        cur.execute("TRUNCATE queues_message RESTART IDENTITY CASCADE")
+    assert not MessageText.objects.exists()
+    again = make_message("v@example.net", subject="After")
+    assert again.pk == 1
+    assert text_of(again)[1] == "After"

@@ -14,7 +14,7 @@ writes it: a row trigger on the message's INSERT (whoever inserts it: the
 ingress, pickup, a DSN, the ORM), a row trigger when an operator corrects the
 sender (only when the UPDATE sets one of the three columns and changes it),
 and a trigger on DELETE (a statement trigger on PostgreSQL, per row on
-SQLite). No foreign key: its check would cost the accept a lookup and a row
+SQLite) and, on PostgreSQL, on TRUNCATE. No foreign key: its check would cost the accept a lookup and a row
 lock a message, and the delete trigger already removes the row with its
 message. Existing messages are filled in here; the three GIN indexes move to
 the new table (the recipients' address and error indexes stay where they
@@ -80,14 +80,31 @@ POSTGRESQL = [
     REFERENCING OLD TABLE AS gone FOR EACH STATEMENT
     EXECUTE FUNCTION queues_messagetext_delete()
     """,
+    # A TRUNCATE of the messages (by hand, RESTART IDENTITY: the ids start
+    # again) empties the text too. DELETE, not TRUNCATE: a TRUNCATE naming both
+    # tables (Django's flush) still has the text table open when this runs.
+    """
+    CREATE FUNCTION queues_messagetext_truncate() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        DELETE FROM queues_messagetext;
+        RETURN NULL;
+    END
+    $$
+    """,
+    """
+    CREATE TRIGGER queues_message_text_truncate AFTER TRUNCATE ON queues_message
+    FOR EACH STATEMENT EXECUTE FUNCTION queues_messagetext_truncate()
+    """,
 ]
 POSTGRESQL_DROP = [
     "DROP TRIGGER IF EXISTS queues_message_text_insert ON queues_message",
     "DROP TRIGGER IF EXISTS queues_message_text_update ON queues_message",
     "DROP TRIGGER IF EXISTS queues_message_text_delete ON queues_message",
+    "DROP TRIGGER IF EXISTS queues_message_text_truncate ON queues_message",
     "DROP FUNCTION IF EXISTS queues_messagetext_insert()",
     "DROP FUNCTION IF EXISTS queues_messagetext_update()",
     "DROP FUNCTION IF EXISTS queues_messagetext_delete()",
+    "DROP FUNCTION IF EXISTS queues_messagetext_truncate()",
 ]
 
 # SQLite (make run's embedded default): the same rows, by row triggers.
