@@ -729,8 +729,7 @@ class SessionCache:
         for kept in self._idle.values():
             stale += [entry for entry in kept if entry[1] < idle_since]
             kept[:] = [entry for entry in kept if entry[1] >= idle_since]
-        for conn, _since in stale:
-            await discard(conn, polite=True)
+        await _discard_all([conn for conn, _since in stale])
 
     def keep(self, conn: Connection) -> bool:
         """Keep ``conn`` (idle, after its group) when it may carry more."""
@@ -750,8 +749,7 @@ class SessionCache:
         full = [entry for entry in kept if entry[0].sent + count > limit]
         for entry in full:
             kept.remove(entry)
-        for conn, _since in full:
-            await discard(conn, polite=True)
+        await _discard_all([conn for conn, _since in full])
         while True:
             # Taken off the list before any await: the round's other
             # connections look at the same list meanwhile.
@@ -784,6 +782,11 @@ class SessionCache:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
+
+
+async def _discard_all(conns: list[Connection]) -> None:
+    """QUIT without waiting, side by side: a peer slow to close costs one ``close`` (1 s)."""
+    await asyncio.gather(*(discard(conn, polite=True) for conn in conns))
 
 
 async def _answers(conn: Connection) -> bool:
