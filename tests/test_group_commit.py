@@ -140,6 +140,58 @@ def test_the_committer_batches_what_waits_and_answers_each_message():
         committer.shutdown()
 
 
+def held_committer(threads: int, first_size: int):
+    """A committer whose first batch waits in the database until released; the
+    batches it stored, and the events of the first one entering and of the next."""
+    entered, release, second = threading.Event(), threading.Event(), threading.Event()
+    calls: list[list[str]] = []
+
+    def store_batch(batch):
+        calls.append([env for env, _data in batch])
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(10)
+        else:
+            second.set()
+        return [f"qid-{env}" for env, _data in batch]
+
+    committer = GroupCommitter(threads, store_batch=store_batch)
+    first = committer.submit("m0", b"x" * first_size)
+    assert entered.wait(10)
+    return committer, first, calls, release, second
+
+
+def test_beside_a_small_batch_in_the_database_the_next_waits_and_takes_all_that_came():
+    """Two committer threads: while one small batch commits, the messages that
+    arrive meanwhile are the next batch, not a batch of one on the other thread."""
+    committer, first, calls, release, second = held_committer(2, 100)
+    try:
+        rest = [committer.submit("m1", b"x")]
+        assert not second.wait(0.3)  # the other thread did not store m1 alone
+        rest += [committer.submit(name, b"x") for name in ("m2", "m3")]
+        release.set()
+        assert [f.result(10) for f in [first, *rest]] == ["qid-m0", "qid-m1", "qid-m2", "qid-m3"]
+        assert calls == [["m0"], ["m1", "m2", "m3"]]
+    finally:
+        release.set()
+        committer.shutdown()
+
+
+def test_beside_a_large_batch_in_the_database_the_next_one_starts_at_once():
+    """A large message's insert does not hold up the small ones behind it."""
+    committer, first, calls, release, second = held_committer(2, server.OVERLAP_ABOVE)
+    try:
+        small = committer.submit("m1", b"x")
+        assert second.wait(10) and small.result(10) == "qid-m1"
+        assert not first.done()  # stored while the large one is still in the database
+        release.set()
+        assert first.result(10) == "qid-m0"
+        assert calls == [["m0"], ["m1"]]
+    finally:
+        release.set()
+        committer.shutdown()
+
+
 def test_a_batch_that_raises_fails_every_message_of_it():
     def store_batch(batch):
         raise OperationalError("database down")

@@ -1,12 +1,11 @@
 """The inbound SMTP server: aiosmtpd with our policy, and 250 only after the commit.
 
-One ``InboundServer`` per process owns the listeners, a small pool of
-database threads (``DatabaseExecutor``: ``message_accept`` is synchronous
-Django ORM) and the categorizer doorbell (``CoalescedBell``), each in its
-section below.
-Each connection is a ``session.InboundSMTP`` (the protocol, behind the
-aiosmtpd adapter), which asks ``policy`` what to accept; the DATA work lives
-in ``RelayHandler`` here. Settings are read once, into ``config.InboundConfig``.
+One ``InboundServer`` per process owns the listeners, a small pool of database
+threads (``DatabaseExecutor``: ``message_accept`` is synchronous Django ORM) and the
+categorizer doorbell (``CoalescedBell``), each in its section below. Each connection
+is a ``session.InboundSMTP`` (the protocol, behind the aiosmtpd adapter), which asks
+``policy`` what to accept; the DATA work lives in ``RelayHandler`` here. Settings are
+read once, into ``config.InboundConfig``.
 
 Hot path per message: the data checked (``session``'s checks: bare line
 endings, the header's limits, hops, an account's header sender), the message
@@ -115,14 +114,10 @@ def _store(prepared: PreparedMessage, data: bytes | bytearray) -> str:
 
 
 def _store_batch(batch: Sequence[tuple[PreparedMessage, bytes | bytearray]]) -> list[object]:
-    """Runs in a committer thread: the queue id of each message committed, or its exception.
-
-    The messages come prepared (ids, headers, DKIM signature: ``_prepare``,
-    in the sessions' database threads), so a batch costs its inserts only.
-    One message takes ``_store`` (``message_accept``'s path); several are one
-    group commit (``prepared_accept_many``), which stores a failed batch's
-    messages one by one so each gets its own answer.
-    """
+    """Runs in a committer thread: the queue id of each message committed, or its
+    exception. The messages come prepared (``InboundServer.store``). One message takes
+    ``_store`` (``message_accept``'s path); several are one group commit
+    (``prepared_accept_many``: a failed batch's messages then one by one)."""
     if len(batch) == 1:
         try:
             return [_store(*batch[0])]
@@ -201,8 +196,7 @@ class RelayHandler:
             if not is_unavailable(exc):
                 log.exception("could not store a message from %s", smtp.client_ip)
                 return policy.STORE_FAILED
-            # The database is away (a failover): one line per 451, the outage
-            # itself once as it starts and once as it ends (queues.database.OUTAGE).
+            # The database is away: one line per 451, the outage once as it starts and ends.
             OUTAGE.failed(exc)
             log.warning("451 4.3.0 message from %s not stored: %s", smtp.client_ip, first_line(exc))
             return policy.STORE_FAILED
@@ -328,16 +322,13 @@ class InboundServer:
         return await self._executor.run_on(self.loop, _in_thread, call)
 
     async def store(self, envelope: IncomingEnvelope, data: bytes) -> str:
-        """Prepare and commit a message (group commit, ``groupcommit``); ring
-        the categorizer after it.
+        """Prepare and commit a message (``GroupCommitter``), then ring the categorizer.
 
-        The message is prepared first (queue id, headers, DKIM signature): with
-        a signature to make, in a database thread of the session's own, so the
-        signing holds up no other session (the committer threads only insert);
-        else on the loop (``prepares_alone``). The commit runs to its end even
-        if the client goes away (shielded), and the ring follows every commit,
-        replied to or not. The queue id comes back once its transaction committed.
-        """
+        Prepared first (queue id, headers, DKIM signature): with a signature to make,
+        in a database thread, so signing holds up no other session (the committer
+        threads only insert); else on the loop (``prepares_alone``). The commit runs
+        to its end even if the client goes away (shielded), the ring follows every
+        commit, replied to or not. The queue id comes back once its commit is done."""
         assert self.loop is not None and self._committer is not None
         self.uncommitted.value += 1  # received, not committed: from now on (loop only)
         try:
@@ -371,13 +362,11 @@ class InboundServer:
         if config.max_connections and len(self.sessions) >= config.max_connections:
             log.warning("refused %s: %d connections open", session.client_ip, len(self.sessions))
             return policy.TOO_MANY_CONNECTIONS
-        if session.kind != SMTP_LISTENER and self.auth_limiter.locked_out(
-            policy.client_key(session.client_ip)
-        ):
+        key = policy.client_key(session.client_ip)
+        if session.kind != SMTP_LISTENER and self.auth_limiter.locked_out(key):
             log.warning("refused %s: too many AUTH failures", session.client_ip)
             return policy.AUTH_LOCKED_OUT
         if not session.trusted:
-            key = policy.client_key(session.client_ip)
             limit = config.max_connections_per_client
             if limit and self.per_client[key] >= limit:
                 log.warning("refused %s: %d connections from %s", session.client_ip, limit, key)
@@ -422,7 +411,6 @@ class InboundServer:
             await self._bell.flush()
         if self._executor is not None:
             assert self.loop is not None
-            # Joining the threads blocks; do it off the event loop.
             await self.loop.run_in_executor(None, self._executor.shutdown)
         for listener in self._listeners:
             await listener.wait_closed()
@@ -433,26 +421,28 @@ class InboundServer:
 # ----------------------------------------------------------------------------
 # Group commit on ingress: the messages of several sessions in one transaction.
 #
-# A commit costs the database a WAL flush and a round trip whatever it holds;
-# under load, sessions wait for their commits at the same time. The
-# ``GroupCommitter`` has a few committer threads (each owning one Django
-# connection); a thread takes the first waiting message and every other one
-# waiting at that moment (up to ``max_batch`` messages, ``max_bytes``), stores
-# them with one statement (``queues.accept.messages_accept``) and
-# then answers each message's future: its Message once committed, or the
-# exception that kept it out. Nothing waits for a batch to fill: with no load a
-# batch is one message, under load batches grow by themselves (Postgres's own
-# ``commit_delay`` idea, without the delay).
-#
-# A failed batch commits nothing; ``messages_accept`` then stores its messages
-# one by one, so one bad message gets its 451 alone. Each session replies 250
-# only after its own future holds a Message.
+# A statement and a commit cost the database about the same for one message as
+# for ten; under load, sessions wait for their commits at the same time. The
+# ``GroupCommitter``'s threads (each owning one Django connection) take the first
+# waiting message and every other one waiting at that moment (up to ``max_batch``
+# messages, ``max_bytes``), store them with one statement
+# (``queues.accept.messages_accept``), then answer each message's future: its
+# Message once committed, or the exception that kept it out. Nothing waits for a
+# batch to fill: with no load a batch is one message, under load batches grow by
+# themselves (PostgreSQL's ``commit_delay`` idea, without the delay). One batch of
+# small messages is in the database at a time (``_turn``): what arrives meanwhile
+# is the next batch, not a batch of one beside it; the other thread starts beside
+# a batch of ``OVERLAP_ABOVE`` bytes or more only (a large message's insert must
+# not hold up the small ones). A failed batch commits nothing; ``messages_accept``
+# then stores its messages one by one, so one bad message gets its 451 alone.
+# Each session replies 250 only after its own future holds a Message.
 # ----------------------------------------------------------------------------
 
 
 DEFAULT_COMMIT_THREADS = 2
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # a batch holds at most this much message data
+OVERLAP_ABOVE = 1024 * 1024  # a batch this large lets the next one start beside it
 
 
 class LoopReply:
@@ -552,6 +542,8 @@ class GroupCommitter:
         self.batches = 0  # batches stored (for tests and the log)
         self.messages = 0
         self._count_lock = threading.Lock()
+        self._turn = threading.Condition()  # _taken: a thread takes or commits small messages
+        self._taken = False
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(max(1, threads))
@@ -601,14 +593,34 @@ class GroupCommitter:
     def _work(self) -> None:
         try:
             carried: Job | None = None
-            while (first := carried or self._jobs.get()) is not None:
-                taken, carried = self._take_batch(first)
-                batch = [job for job in taken if job[0].set_running_or_notify_cancel()]
-                if batch:
-                    self._commit(batch)
+            while True:
+                turn = self._take_turn()
+                try:
+                    if (first := carried or self._jobs.get()) is None:
+                        return
+                    taken, carried = self._take_batch(first)
+                    if sum(len(job[2]) for job in taken) >= OVERLAP_ABOVE:
+                        turn = self._pass_turn()  # the next batch may start beside this one
+                    if batch := [job for job in taken if job[0].set_running_or_notify_cancel()]:
+                        self._commit(batch)
+                finally:
+                    if turn:
+                        self._pass_turn()
                 del first, taken, batch  # an idle thread keeps no message body alive
         finally:
             connections.close_all()
+
+    def _take_turn(self) -> bool:  # no batch of small messages in the database: take one
+        with self._turn:
+            self._turn.wait_for(lambda: not self._taken)
+            self._taken = True
+        return True
+
+    def _pass_turn(self) -> bool:
+        with self._turn:
+            self._taken = False
+            self._turn.notify()
+        return False
 
     def _commit(self, batch: list[Job]) -> None:
         size = sum(len(data) for _f, _e, data in batch)
@@ -619,12 +631,8 @@ class GroupCommitter:
         except BaseException as exc:  # noqa: BLE001 - every message of the batch fails (451)
             # A database that is away is logged by each session's 451, not traced here.
             away = isinstance(exc, (OperationalError, InterfaceError))
-            log.log(
-                logging.DEBUG if away else logging.ERROR,
-                "storing a batch of %d messages failed",
-                len(batch),
-                exc_info=not away,
-            )
+            level = logging.DEBUG if away else logging.ERROR
+            log.log(level, "storing a batch of %d messages failed", len(batch), exc_info=not away)
             self._close_connection()
             for future, _e, _d in batch:
                 future.set_exception(exc)
@@ -669,10 +677,9 @@ def _ring() -> None:
 class CoalescedBell:
     """Rings the categorizer at most once per ``interval``, never blocking a reply.
 
-    A request while a ring is waiting to start is covered by that ring; a
-    request while one is in flight gets one more ring after it. So every
-    commit is followed by a ring that started after the commit.
-    """
+    A request while a ring is waiting to start is covered by that ring; a request
+    while one is in flight gets one more ring after it. So every commit is followed
+    by a ring that started after the commit."""
 
     def __init__(
         self,
@@ -727,19 +734,14 @@ class CoalescedBell:
 
 
 # ----------------------------------------------------------------------------
-# Database threads: a fixed pool whose threads each own one Django connection.
-#
-# ``message_accept`` is synchronous Django ORM, so the inbound server (and the
-# pickup watcher) run it in these threads instead of on the event loop.
+# Database threads: the inbound server's (and the pickup watcher's) synchronous
+# Django ORM calls run in them, each thread owning one connection, not on the loop.
 # ----------------------------------------------------------------------------
 
 
 class DatabaseExecutor(concurrent.futures.Executor):
-    """A fixed pool of threads, each owning one Django database connection.
-
-    Unlike ThreadPoolExecutor, every thread closes its connection when the
-    pool shuts down, so nothing holds a session (or locks) afterwards.
-    """
+    """A fixed pool of threads, each owning one Django database connection; unlike
+    ThreadPoolExecutor's, each closes it when the pool shuts down (no session left)."""
 
     def __init__(self, workers: int, name: str = "smtp-db") -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -782,8 +784,7 @@ class DatabaseExecutor(concurrent.futures.Executor):
                     future.set_exception(exc)
                 else:
                     future.set_result(result)
-                # Drop the job now: an idle thread would otherwise keep its last
-                # message's body alive until its next job.
+                # Drop the job now: an idle thread would keep its last message's body alive.
                 del job, future, fn, args, kwargs
                 result = None
         finally:
