@@ -115,34 +115,10 @@ def test_a_connection_lost_before_the_commit_stores_each_message_once(monkeypatc
 # ------------------------------------------------------------ the committer
 
 
-def test_the_committer_batches_what_waits_and_answers_each_message():
-    entered, release = threading.Event(), threading.Event()
-    calls: list[list[str]] = []
-
-    def store_batch(batch):
-        calls.append([env for env, _data in batch])
-        if len(calls) == 1:
-            entered.set()
-            assert release.wait(10)
-        return [ValueError(env) if env == "bad" else f"qid-{env}" for env, _data in batch]
-
-    committer = GroupCommitter(1, store_batch=store_batch)
-    try:
-        first = committer.submit("m0", b"x")
-        assert entered.wait(10)
-        rest = [committer.submit(name, b"x") for name in ("m1", "bad", "m2")]
-        release.set()
-        assert first.result(10) == "qid-m0"
-        assert [f.exception(10) is not None for f in rest] == [False, True, False]
-        assert rest[0].result() == "qid-m1" and rest[2].result() == "qid-m2"
-        assert calls == [["m0"], ["m1", "bad", "m2"]]  # the waiting three in one batch
-    finally:
-        committer.shutdown()
-
-
 def held_committer(threads: int, first_size: int):
-    """A committer whose first batch waits in the database until released; the
-    batches it stored, and the events of the first one entering and of the next."""
+    """A committer whose first batch ("m0", ``first_size`` bytes) waits in the
+    database until released; the batches it stored (a message "bad" fails), and
+    the events of the first one's release and of the next batch's start."""
     entered, release, second = threading.Event(), threading.Event(), threading.Event()
     calls: list[list[str]] = []
 
@@ -153,12 +129,25 @@ def held_committer(threads: int, first_size: int):
             assert release.wait(10)
         else:
             second.set()
-        return [f"qid-{env}" for env, _data in batch]
+        return [ValueError(env) if env == "bad" else f"qid-{env}" for env, _data in batch]
 
     committer = GroupCommitter(threads, store_batch=store_batch)
     first = committer.submit("m0", b"x" * first_size)
     assert entered.wait(10)
     return committer, first, calls, release, second
+
+
+def test_the_committer_batches_what_waits_and_answers_each_message():
+    committer, first, calls, release, _second = held_committer(1, 1)
+    try:
+        rest = [committer.submit(name, b"x") for name in ("m1", "bad", "m2")]
+        release.set()
+        assert first.result(10) == "qid-m0"
+        assert [f.exception(10) is not None for f in rest] == [False, True, False]
+        assert rest[0].result() == "qid-m1" and rest[2].result() == "qid-m2"
+        assert calls == [["m0"], ["m1", "bad", "m2"]]  # the waiting three in one batch
+    finally:
+        committer.shutdown()
 
 
 def test_beside_a_small_batch_in_the_database_the_next_waits_and_takes_all_that_came():

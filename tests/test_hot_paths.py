@@ -224,3 +224,36 @@ def test_with_prepare_off_the_hot_paths_prepare_nothing(relay, settings):
     deliver_and_count(3, "off")
     assert prepared() == before
     assert relay.wait_for(4)
+
+
+def locked(table: str, pk: int) -> bool:
+    """Whether the row's current version carries a lock a committed transaction
+    left on it (its xmax, set without a newer version: a lock, not an update)."""
+    with connection.cursor() as cur:
+        cur.execute(f"SELECT xmax::text <> '0' FROM {table} WHERE id = %s", [pk])
+        return cur.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)  # the locks a real COMMIT leaves behind
+def test_a_message_s_path_locks_no_row_it_only_refers_to(relay):
+    """Accepted, placed and delivered, each step committed: no foreign-key check
+    locked the message, the recipient or the queue a step only refers to (a
+    lookup, a row lock and its WAL record at each COMMIT; on the queue row that
+    every placement and record shares, a MultiXact: migration 0013)."""
+    warm_up()
+    [message] = accept_many(1, "locks")
+    recipient = message.recipients.get()
+    assert not locked("queues_message", message.pk)  # by the recipient's insert
+    while categorize_pending():
+        pass
+    recipient.refresh_from_db()
+    assert recipient.queue_id is not None
+    assert not locked("queues_queue", recipient.queue_id)  # by the placement
+    assert deliver.deliver_link(Link.objects.get().pk) == 1
+    assert Attempt.objects.filter(recipient=recipient).count() == 1
+    for table, pk in (
+        ("queues_message", message.pk),
+        ("queues_recipient", recipient.pk),
+        ("queues_queue", recipient.queue_id),
+    ):
+        assert not locked(table, pk), table  # by the attempt's insert
