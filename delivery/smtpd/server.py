@@ -569,9 +569,9 @@ class GroupCommitter:
         self._jobs.put((reply, envelope, data))
         return reply.future
 
-    def _take_batch(self, first: Job) -> tuple[list[Job], Job | None]:
-        """The batch that starts with ``first``, and the job taken that did not
-        fit in its statement (it starts this thread's next batch)."""
+    def _take_batch(self, first: Job) -> tuple[list[Job], Job | None, int]:
+        """The batch that starts with ``first``, the job taken that did not fit
+        in its statement (it starts this thread's next batch), the batch's bytes."""
         batch = [first]
         size = len(first[2])
         params = _params(first)
@@ -584,11 +584,11 @@ class GroupCommitter:
                 self._jobs.put(None)  # shutting down: this thread stops after the batch
                 break
             if params + _params(job) > MAX_STATEMENT_PARAMS:
-                return batch, job
+                return batch, job, size
             batch.append(job)
             size += len(job[2])
             params += _params(job)
-        return batch, None
+        return batch, None, size
 
     def _work(self) -> None:
         try:
@@ -598,11 +598,11 @@ class GroupCommitter:
                 try:
                     if (first := carried or self._jobs.get()) is None:
                         return
-                    taken, carried = self._take_batch(first)
-                    if sum(len(job[2]) for job in taken) >= OVERLAP_ABOVE:
+                    taken, carried, size = self._take_batch(first)
+                    if size >= OVERLAP_ABOVE:
                         turn = self._pass_turn()  # the next batch may start beside this one
                     if batch := [job for job in taken if job[0].set_running_or_notify_cancel()]:
-                        self._commit(batch)
+                        self._commit(batch, size)
                 finally:
                     if turn:
                         self._pass_turn()
@@ -622,8 +622,7 @@ class GroupCommitter:
             self._turn.notify()
         return False
 
-    def _commit(self, batch: list[Job]) -> None:
-        size = sum(len(data) for _f, _e, data in batch)
+    def _commit(self, batch: list[Job], size: int) -> None:
         try:
             results = self._store_batch([(envelope, data) for _f, envelope, data in batch])
             if len(results) != len(batch):

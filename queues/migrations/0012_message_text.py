@@ -14,9 +14,9 @@ writes it: a row trigger on the message's INSERT (whoever inserts it: the
 ingress, pickup, a DSN, the ORM), a row trigger when an operator corrects the
 sender (only when the UPDATE sets one of the three columns and changes it),
 and a trigger on DELETE (a statement trigger on PostgreSQL, per row on
-SQLite) and, on PostgreSQL, on TRUNCATE. No foreign key: its check would cost the accept a lookup and a row
-lock a message, and the delete trigger already removes the row with its
-message. Existing messages are filled in here; the three GIN indexes move to
+SQLite) and, on PostgreSQL, on TRUNCATE. No foreign key: its check would cost
+the accept a lookup and a row lock a message, and the delete trigger already
+removes the row with its message. Existing messages are filled in here; the three GIN indexes move to
 the new table (the recipients' address and error indexes stay where they
 are: a recipient's row costs a few microseconds a change).
 """
