@@ -199,7 +199,8 @@ def test_the_batch_inserts_are_prepared_once_and_nothing_that_finds_rows_is(rela
     inserts are parsed and planned once per connection, and a second batch runs
     them again. No statement that finds rows (a claim, a placement, a round's
     record) is prepared: a generic plan made while the table was small would
-    keep scanning it as it grows."""
+    keep scanning it as it grows (the hottest of them are functions whose plans
+    are pinned to the indexes: below)."""
     warm_up()
     deliver_and_count(3, "one")
     first = prepared()
@@ -257,3 +258,73 @@ def test_a_message_s_path_locks_no_row_it_only_refers_to(relay):
         ("queues_queue", recipient.queue_id),
     ):
         assert not locked(table, pk), table  # by the attempt's insert
+
+
+# The statements of the pinned functions (migration queues/0014), by a line of each.
+PINNED = {
+    "queues_claim_for_categorizer": "LIMIT p_limit FOR UPDATE SKIP LOCKED",
+    "queues_to_route": "r.message_id = ANY(p_ids) AND r.state = 'submitted'",
+    "queues_resubmit_if_recipients_submitted": "SET state = 'submission', next_attempt_at = p_now",
+    "queues_record_delivered": "json_to_recordset(p_rows)",
+}
+
+
+def nested_plans(monkeypatch) -> list[str]:
+    """auto_explain's plans of every statement (nested ones too) while a warm-up
+    and a batch of three are categorized and delivered with early records."""
+    monkeypatch.setattr(deliver, "RECORD_EACH_MESSAGE", True)
+    plans: list[str] = []
+    pg = connection.cursor().connection  # the psycopg connection (opened)
+    pg.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+    with connection.cursor() as cur:
+        cur.execute("LOAD 'auto_explain'")
+        cur.execute("SET auto_explain.log_min_duration = 0")
+        cur.execute("SET auto_explain.log_nested_statements = on")
+        cur.execute("SET client_min_messages = log")
+    try:
+        warm_up()
+        deliver_and_count(3, "plans")
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("RESET client_min_messages")
+            cur.execute("RESET auto_explain.log_min_duration")
+    return plans
+
+
+def test_the_statements_that_find_rows_are_planned_once_on_their_indexes(relay, monkeypatch):
+    """The categorizer's claim, read and check for recipients sent back, and an
+    early record of deliveries, run as functions whose plan is made once per
+    connection (a generic plan: its conditions keep the parameters, $1, …) with
+    sequential scans off: every row reached by an index, whatever the tables'
+    size and statistics when the plan was made."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT proname, proconfig FROM pg_proc WHERE proname = ANY(%s)", [list(PINNED)]
+        )
+        settings = dict(cur.fetchall())
+    assert set(settings) == set(PINNED)
+    for config in settings.values():
+        assert {"plan_cache_mode=force_generic_plan", "enable_seqscan=off"} <= set(config)
+    plans = nested_plans(monkeypatch)
+    for function, line in PINNED.items():
+        seen = [plan for plan in plans if line in plan]
+        assert len(seen) >= 2, function  # the warm-up's and the batch's
+        for plan in seen:
+            assert "Seq Scan" not in plan and "Index" in plan, plan
+            assert "$1" in plan or "$2" in plan, plan  # generic: the parameters kept
+
+
+def test_without_its_settings_a_function_plans_each_run_anew(relay, monkeypatch):
+    """What the settings change: without them (PostgreSQL's default, a custom
+    plan for each of the first runs) the claim's plans hold the values of the
+    run they were made for."""
+    with connection.cursor() as cur:  # rolled back with the test's transaction
+        cur.execute(
+            "ALTER FUNCTION queues_claim_for_categorizer(timestamptz, integer, text, timestamptz)"
+            " RESET ALL"
+        )
+    plans = nested_plans(monkeypatch)
+    claims = [plan for plan in plans if PINNED["queues_claim_for_categorizer"] in plan]
+    assert len(claims) >= 2
+    for plan in claims:
+        assert "$1" not in plan and "timestamp with time zone" in plan, plan

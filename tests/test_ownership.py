@@ -577,7 +577,7 @@ def test_a_categorizer_task_rides_out_its_connection_cut(relay, bells, where):
     relay.a("example.net", "127.0.0.2")
     ids = [accept(f"u{i}@example.net").pk for i in range(3)]
     if where == "the claim's lost reply":
-        cut = CutOnce(lambda sql: "SET state = 'categorizing'" in sql, after=True)
+        cut = CutOnce(lambda sql: "queues_claim_for_categorizer(" in sql, after=True)
     else:
         cut = CutOnce(lambda sql: sql.startswith('SELECT "queues_link"."id" AS "id" FROM'))
     started = time.monotonic()

@@ -510,20 +510,13 @@ def _process(ids: list[int], owner: str, claim: Claim | None = None) -> set[int]
         return _apply(placements, sorted(mine), facts)
 
 
-# The recipients to route with what their tracking rows need (domain, then
-# queues.signals.PLACED_FACTS): one hand-written SELECT on PostgreSQL.
-_PG_TO_ROUTE = (
-    "SELECT r.domain, r.id, r.address, r.message_id, m.qid, m.mail_from, m.message_id, "
-    "m.client_address, m.auth_account, m.size, m.received_at, m.next_attempt_at, m.source "
-    "FROM queues_recipient AS r JOIN queues_message AS m ON m.id = r.message_id "
-    "WHERE r.message_id = ANY(%s::bigint[]) AND r.state = %s ORDER BY r.id"
-)
-
-
 def _to_route(ids: list[int]) -> list[tuple]:
+    """The submitted recipients of ``ids`` to route, with what their tracking rows
+    need (domain, then queues.signals.PLACED_FACTS), by id; on PostgreSQL one
+    statement, its plan pinned (migration queues/0014)."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cur:
-            cur.execute(_PG_TO_ROUTE, [list(ids), RecipientState.SUBMITTED])
+            cur.execute("SELECT * FROM queues_to_route(%s::bigint[])", [list(ids)])
             return [(*row[:7], _inet(row[7]), *row[8:]) for row in cur.fetchall()]
     return list(
         Recipient.objects.filter(message_id__in=ids, state=RecipientState.SUBMITTED)

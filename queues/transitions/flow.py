@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from functools import cache
 from typing import TypeVar
 
 from django.apps import apps
@@ -28,7 +27,6 @@ from queues.database import (
     drop_connection,
     field_columns,
     json_payload,
-    json_rows,
     postgresql,
     retry_outages,
     update_json,
@@ -65,33 +63,6 @@ def poisoned(crash_count: int) -> bool:
     return crash_count > store_settings().poison_threshold
 
 
-# The categorizer's claim in one statement (PostgreSQL): a message to be tried
-# alone first, else a batch, locked with SKIP LOCKED and leased to the owner;
-# a claim of one counts the try in crash_count (see MessageFlow.claim_for_categorizer).
-_PG_CATEGORIZER_CLAIM = """
-WITH iso AS (
-    SELECT id FROM queues_message
-    WHERE state = 'submission' AND next_attempt_at <= %(now)s AND NOT suspended AND isolate
-    ORDER BY next_attempt_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
-), batch AS (
-    SELECT id FROM queues_message
-    WHERE state = 'submission' AND next_attempt_at <= %(now)s AND NOT suspended
-        AND NOT isolate AND NOT EXISTS (SELECT 1 FROM iso)
-    ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
-), picked AS (
-    SELECT id FROM iso UNION ALL SELECT id FROM batch
-), n AS (
-    SELECT count(*) = 1 AS alone FROM picked
-)
-UPDATE queues_message AS m
-SET state = 'categorizing', lease_owner = %(owner)s, lease_until = %(until)s,
-    crash_count = m.crash_count + CASE WHEN n.alone THEN 1 ELSE 0 END, isolate = n.alone
-FROM n
-WHERE m.id IN (SELECT id FROM picked)
-RETURNING m.id, m.crash_count
-"""
-
-
 # Finish the messages of ids whose every recipient is final; (id, finished) of
 # each one not done yet (MessageQuerySet.finish_ids).
 # The final recipient states, bound as one array (``<> ALL``) in the statements below.
@@ -126,10 +97,12 @@ class MessageFlow(models.QuerySet):
         and the message that really kills its worker reaches the poison
         threshold on its own.
         """
-        if postgresql():
-            params = {"now": now, "limit": limit, "owner": owner, "until": now + lease}
+        if postgresql():  # one statement, its plan pinned (migration queues/0014)
             with connection.cursor() as cur:
-                cur.execute(_PG_CATEGORIZER_CLAIM, params)
+                cur.execute(
+                    "SELECT * FROM queues_claim_for_categorizer(%s, %s, %s, %s)",
+                    [now, limit, owner, now + lease],
+                )
                 return sorted(cur.fetchall())
         with transaction.atomic():
             due = self.due_for_categorizer(now).select_for_update(skip_locked=True)
@@ -197,20 +170,11 @@ class MessageFlow(models.QuerySet):
         messages among ``ids`` (one hand-written statement on PostgreSQL)."""
         if not postgresql():
             return self.filter(id__in=ids).with_submitted_recipients().back_to_submission(now)
-        with connection.cursor() as cur:
+        with connection.cursor() as cur:  # its plan pinned (migration queues/0014)
             cur.execute(
-                "UPDATE queues_message AS m SET state = %s, next_attempt_at = %s "
-                "WHERE m.id = ANY(%s::bigint[]) AND m.state = %s AND EXISTS ("
-                "SELECT 1 FROM queues_recipient AS r WHERE r.message_id = m.id AND r.state = %s)",
-                [
-                    MessageState.SUBMISSION,
-                    now,
-                    list(ids),
-                    MessageState.QUEUED,
-                    RecipientState.SUBMITTED,
-                ],
+                "SELECT queues_resubmit_if_recipients_submitted(%s::bigint[], %s)", [list(ids), now]
             )
-            return cur.rowcount
+            return cur.fetchone()[0]
 
     def finish_ids(self, ids: Iterable[int], now: datetime, *, again: bool = True) -> int:
         """``filter(id__in=ids).finish(now)``: one hand-written statement on
@@ -450,9 +414,11 @@ class RecipientFlow(models.QuerySet):
         committed; reading them checks again the messages it could not finish
         (``MessageQuerySet.finish_after_commit``)."""
         ids = [a["recipient_id"] for a in attempts]
-        params = {"rows": json_payload(attempts), "ids": ids, "owner": owner, "now": now}
-        cur = connection.cursor()
-        cur.execute(_record_delivered_sql(), params | {"final": _FINAL_STATES})
+        cur = connection.cursor()  # its plan pinned (migration queues/0014)
+        cur.execute(
+            "SELECT * FROM queues_record_delivered(%s::json, %s::bigint[], %s, %s, %s::varchar[])",
+            [json_payload(attempts), ids, owner, now, _FINAL_STATES],
+        )
 
         def written() -> list[Delivered]:
             rows = [
@@ -520,34 +486,6 @@ def _apply(
         if outcome.verdict == Verdict.FAILED:
             row.queue_id = dead_letter_id
     return row
-
-
-@cache
-def _record_delivered_sql() -> str:
-    """``record_delivered``'s statement (the Attempt columns but its queue)."""
-    attempt = model_named("Attempt")
-    fields = attempt._meta.concrete_fields
-    names = [f.attname for f in fields if f.attname not in ("id", "queue_id")]
-    columns = field_columns(attempt, names)
-    return f"""
-WITH v AS (SELECT * FROM {json_rows("v", [*columns, ("last_host", "text")], "%(rows)s")}),
-r AS (UPDATE queues_recipient AS t SET state = '{RecipientState.DELIVERED}',
-  attempt_count = t.attempt_count + 1, last_attempt_at = v.started_at, last_code = v.code,
-  last_enhanced = v.enhanced, last_text = v.text, last_host = v.last_host,
-  lease_owner = '', lease_until = NULL, final_at = %(now)s
-  FROM v WHERE t.id = ANY(%(ids)s::bigint[]) AND t.id = v.recipient_id
-  AND t.state = '{RecipientState.ACTIVE}' AND t.lease_owner = %(owner)s
-  RETURNING t.id, t.message_id, t.queue_id, t.address),
-a AS (INSERT INTO {attempt._meta.db_table} ({", ".join(c for c, _ in columns)}, queue_id)
-  SELECT {", ".join("v." + c for c, _ in columns)}, t.queue_id
-  FROM v JOIN queues_recipient AS t ON t.id = ANY(%(ids)s::bigint[]) AND t.id = v.recipient_id),
-m AS (UPDATE queues_message AS m SET state = '{MessageState.DONE}', completed_at = %(now)s,
-  lease_owner = '', lease_until = NULL
-  WHERE m.id IN (SELECT message_id FROM r) AND m.state <> '{MessageState.DONE}' AND NOT EXISTS (
-  SELECT 1 FROM queues_recipient AS x WHERE x.message_id = m.id
-  AND x.state <> ALL(%(final)s::varchar[]) AND x.id NOT IN (SELECT id FROM r))
-  RETURNING m.id)
-SELECT id, message_id, queue_id, address, message_id IN (SELECT id FROM m) FROM r"""
 
 
 class LinkFlow(models.QuerySet):
