@@ -266,6 +266,7 @@ PINNED = {
     "queues_to_route": "r.message_id = ANY(p_ids) AND r.state = 'submitted'",
     "queues_resubmit_if_recipients_submitted": "SET state = 'submission', next_attempt_at = p_now",
     "queues_record_delivered": "json_to_recordset(p_rows)",
+    "queues_lease_recipients": "SET state = 'active', lease_owner = p_owner",
 }
 
 
@@ -292,11 +293,11 @@ def nested_plans(monkeypatch) -> list[str]:
 
 
 def test_the_statements_that_find_rows_are_planned_once_on_their_indexes(relay, monkeypatch):
-    """The categorizer's claim, read and check for recipients sent back, and an
-    early record of deliveries, run as functions whose plan is made once per
-    connection (a generic plan: its conditions keep the parameters, $1, …) with
-    sequential scans off: every row reached by an index, whatever the tables'
-    size and statistics when the plan was made."""
+    """The categorizer's claim, read and check for recipients sent back, a
+    round's lease and an early record of deliveries, run as functions whose plan
+    is made once per connection (a generic plan: its conditions keep the
+    parameters, $1, …) with sequential scans off: every row reached by an index,
+    whatever the tables' size and statistics when the plan was made."""
     with connection.cursor() as cur:
         cur.execute(
             "SELECT proname, proconfig FROM pg_proc WHERE proname = ANY(%s)", [list(PINNED)]

@@ -4,23 +4,27 @@ made once per connection and pinned to the indexes (issue #24).
 PostgreSQL planned each of them at every run: a delivery round's record of its
 deliveries (about 0.5 ms of planning a statement, 0.04 ms a message: the
 recipients' and messages' many partial indexes are each weighed against the
-statement), the categorizer's claim, its read of the batch and its check for
-recipients sent back meanwhile. A prepared statement plans once, but its
-generic plan, made while a table is small, may scan the table after it has
-grown (until the next ANALYZE). A function's own settings pin the plan
-instead: ``plan_cache_mode = force_generic_plan`` (PL/pgSQL keeps the plan of
-each statement for the connection's life, remade only when a table's
-definition or statistics change), ``enable_seqscan = off`` and, where a batch
-is taken in order, ``enable_bitmapscan = off`` (the ordered index scan, never
-a sort of every due row). Each statement reaches its rows by an index: by
-primary key, by ``message_id``, or by the partial index of the due
-Submission messages.
+statement), a round's lease of the recipients it claimed, the categorizer's
+claim, its read of the batch and its check for recipients sent back
+meanwhile. A prepared statement plans once, but its generic plan, made while a
+table is small, may scan the table after it has grown (until the next
+ANALYZE). A function's own settings pin the plan instead: ``plan_cache_mode =
+force_generic_plan`` (PL/pgSQL keeps the plan of each statement for the
+connection's life, remade only when a table's definition or statistics
+change), ``enable_seqscan = off`` and, where a batch is taken in order,
+``enable_bitmapscan = off`` (the ordered index scan, never a sort of every due
+row). Each statement reaches its rows by an index: by primary key, by
+``message_id``, or by the partial index of the due Submission messages. (A
+round's search for the due recipients of a link is left to be planned at each
+run: its best join order depends on how many queues the link has and how
+full they are, which a plan made once cannot know.)
 
 The statements are the store's transitions (``queues.transitions.flow``:
 ``MessageFlow.claim_for_categorizer``, ``resubmit_if_recipients_submitted``,
-``RecipientFlow.record_delivered``; ``delivery.qmgr.tasks._to_route``); their
-text lives here, and a change of a table they write needs a migration that
-replaces the function. PostgreSQL only (SQLite runs the ORM's statements).
+``RecipientFlow.claim_on_link``, ``record_delivered``;
+``delivery.qmgr.tasks._to_route``); their text lives here, and a change of a
+table they write needs a migration that replaces the function. PostgreSQL
+only (SQLite runs the ORM's statements).
 """
 
 from django.db import migrations
@@ -141,6 +145,22 @@ m AS (UPDATE queues_message AS m SET state = 'done', completed_at = p_now,
     RETURNING m.id)
 SELECT r.id, r.message_id, r.queue_id, r.address, r.message_id IN (SELECT m.id FROM m)
 FROM r;
+END $fn$""",
+    ),
+    (
+        "queues_lease_recipients(bigint[], text, timestamptz)",
+        f"""
+CREATE OR REPLACE FUNCTION queues_lease_recipients(
+    p_ids bigint[], p_owner text, p_until timestamptz)
+RETURNS integer
+LANGUAGE plpgsql {PINNED} AS $fn$
+DECLARE
+    n integer;
+BEGIN
+UPDATE queues_recipient SET state = 'active', lease_owner = p_owner, lease_until = p_until
+WHERE id = ANY(p_ids);
+GET DIAGNOSTICS n = ROW_COUNT;
+RETURN n;
 END $fn$""",
     ),
 ]

@@ -316,8 +316,14 @@ class RecipientFlow(models.QuerySet):
                     seen.add(mid)
                     total += size
                 ids.append(rid)
-            if ids:  # the ids as one array: one statement text for every round size
-                self.filter(id__any=ids).update(
+            if ids and postgresql():  # its plan pinned (migration queues/0014)
+                with connection.cursor() as cur:
+                    cur.execute(
+                        "SELECT queues_lease_recipients(%s::bigint[], %s, %s)",
+                        [ids, owner, now + lease],
+                    )
+            elif ids:
+                self.filter(id__in=ids).update(
                     state=RecipientState.ACTIVE, lease_owner=owner, lease_until=now + lease
                 )
         return ids
