@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import re
 from collections import deque
 from datetime import timedelta
 
@@ -329,3 +330,16 @@ def test_without_its_settings_a_function_plans_each_run_anew(relay, monkeypatch)
     assert len(claims) >= 2
     for plan in claims:
         assert "$1" not in plan and "timestamp with time zone" in plan, plan
+
+
+def test_the_record_function_writes_every_column_of_an_attempt():
+    """``queues_record_delivered`` names the attempt's columns in its text
+    (migration queues/0014): a column added to Attempt needs a migration that
+    replaces the function, or an early record would leave it empty."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT prosrc FROM pg_proc WHERE proname = 'queues_record_delivered'")
+        [source] = cur.fetchone()
+    listed = re.search(r"INSERT INTO queues_attempt \(([^)]*)\)", source).group(1)
+    written = {name.strip() for name in listed.split(",")}
+    columns = {field.column for field in Attempt._meta.concrete_fields}
+    assert written == columns - {"id"}
