@@ -594,33 +594,33 @@ class GroupCommitter:
         try:
             carried: Job | None = None
             while True:
-                turn = self._take_turn()
+                self._take_turn()
+                held = True
                 try:
                     if (first := carried or self._jobs.get()) is None:
                         return
                     taken, carried, size = self._take_batch(first)
-                    if size >= OVERLAP_ABOVE:
-                        turn = self._pass_turn()  # the next batch may start beside this one
+                    if size >= OVERLAP_ABOVE:  # the next batch may start beside this one
+                        self._pass_turn()
+                        held = False
                     if batch := [job for job in taken if job[0].set_running_or_notify_cancel()]:
                         self._commit(batch, size)
                 finally:
-                    if turn:
+                    if held:
                         self._pass_turn()
                 del first, taken, batch  # an idle thread keeps no message body alive
         finally:
             connections.close_all()
 
-    def _take_turn(self) -> bool:  # no batch of small messages in the database: take one
+    def _take_turn(self) -> None:  # no batch of small messages in the database: take one
         with self._turn:
             self._turn.wait_for(lambda: not self._taken)
             self._taken = True
-        return True
 
-    def _pass_turn(self) -> bool:
+    def _pass_turn(self) -> None:
         with self._turn:
             self._taken = False
             self._turn.notify()
-        return False
 
     def _commit(self, batch: list[Job], size: int) -> None:
         try:

@@ -16,9 +16,10 @@ sender (only when the UPDATE sets one of the three columns and changes it),
 and a trigger on DELETE (a statement trigger on PostgreSQL, per row on
 SQLite) and, on PostgreSQL, on TRUNCATE. No foreign key: its check would cost
 the accept a lookup and a row lock a message, and the delete trigger already
-removes the row with its message. Existing messages are filled in here; the three GIN indexes move to
-the new table (the recipients' address and error indexes stay where they
-are: a recipient's row costs a few microseconds a change).
+removes the row with its message. Existing messages are filled in here; the
+three GIN indexes move to the new table (the recipients' address and error
+indexes stay where they are: a recipient's row costs a few microseconds a
+change).
 """
 
 import django.db.models.deletion
