@@ -343,9 +343,41 @@ class Attempt(models.Model):
     tls_verified = models.CharField(max_length=20, blank=True)  # none/ca/dane/mta-sts
     tls_policy = models.CharField(max_length=20, blank=True)  # none/may/encrypt/verify/...
     auth_used = models.CharField(max_length=20, blank=True)  # PLAIN/LOGIN
+    # A delivery is its own tracking event (tracking.history): the event's
+    # stable id (its webhook's and event-log line's id too) and the next hop's
+    # queue id read from its reply. NULL event_id: an attempt that is not an
+    # event of its own (not delivered, or written before migration 0015 beside
+    # its tracking row).
+    event_id = models.UUIDField(null=True, blank=True)
+    remote_id = models.CharField(max_length=100, blank=True)
+    # The link the round delivered on (the event's next hop; a queue's link
+    # may change later, by a re-route).
+    link = models.ForeignKey(
+        Link,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        related_name="+",
+        db_index=False,
+        db_constraint=False,
+    )
 
     class Meta:
-        indexes = [models.Index(fields=["message", "started_at"], name="attempt_by_message")]
+        indexes = [
+            models.Index(fields=["message", "started_at"], name="attempt_by_message"),
+            # The tracking search of the deliveries of messages still in the
+            # store (tracking.history): newest first, and by remote queue id.
+            models.Index(
+                fields=["-started_at", "id"],  # the search's order (tracking.history)
+                name="attempt_delivered",
+                condition=Q(outcome="delivered"),
+            ),
+            models.Index(
+                fields=["remote_id"],
+                name="attempt_remote_id",
+                condition=Q(outcome="delivered") & ~Q(remote_id=""),
+            ),
+        ]
 
 
 class Event(models.Model):

@@ -56,3 +56,7 @@ attempts_recorded = Signal()
 # The sweep expired ``recipients`` (queues.models.Recipient). kwargs:
 # ``recipients``, ``now``, ``reason``.
 recipients_expired = Signal()
+# The sweep is about to delete finished messages (their rows and attempts),
+# in the transaction that deletes them. kwargs: ``message_ids``. (Tracking
+# moves their deliveries into its own table: tracking.history.)
+messages_purging = Signal()

@@ -30,8 +30,8 @@ from queues.models import (
     Recipient,
     RecipientState,
 )
+from tests.support.history import history
 from tracking import record
-from tracking.models import TrackingEvent
 
 BODY = b"From: a@example.org\r\nTo: x\r\nSubject: early\r\n\r\nbody\r\n"
 
@@ -95,10 +95,10 @@ def test_a_round_of_early_records_leaves_each_row_as_the_round_record_would(rela
     assert Message.objects.get(pk=plain.pk).state == MessageState.DONE
     assert Message.objects.get(pk=report.pk).state == MessageState.DONE
     assert Message.objects.get(pk=mixed.pk).state != MessageState.DONE  # "later" waits
-    events = TrackingEvent.objects.filter(  # tracking partitions outlive a test's flush
+    events = history(  # tracking partitions outlive a test's flush
         event__in=("delivered", "deferred"), message_pk__in=[plain.pk, mixed.pk, report.pk]
     )
-    assert sorted(events.values_list("recipient", "event")) == [
+    assert sorted((e.recipient, e.event) for e in events) == [
         ("a@example.net", "delivered"),
         ("b@example.net", "delivered"),
         ("c@example.net", "delivered"),
@@ -150,7 +150,7 @@ def test_a_recipient_taken_back_before_the_early_record_keeps_its_new_owner(rela
     assert Message.objects.get(pk=first.pk).state == MessageState.DONE
     assert Message.objects.get(pk=second.pk).state != MessageState.DONE
     assert carried.delivered_queues == {kept.queue_id}
-    row = TrackingEvent.objects.get(event="delivered", message_pk=first.pk)
+    (row,) = history(event="delivered", message_pk=first.pk)
     assert row.remote_id == "ABC123" and row.qid == first.qid
 
 
@@ -158,22 +158,23 @@ def test_a_recipient_taken_back_before_the_early_record_keeps_its_new_owner(rela
 def test_a_tracking_write_that_fails_undoes_the_early_record_and_the_round_records_it(
     relay, sink_factory, monkeypatch
 ):
-    """The tracking rows go in the early record's transaction without a savepoint
-    of their own: when they fail, the early record rolls back whole and the
-    round's final record writes those deliveries — once each."""
+    """What tracking writes beside a delivery (its webhooks' outbox rows: the
+    delivery itself is its attempt) goes in the early record's transaction
+    without a savepoint of its own: when it fails, the early record rolls back
+    whole and the round's final record writes those deliveries — once each."""
     sink = sink_factory("127.0.0.2")
     ids = [accept(IncomingRecipient(f"u{i}@example.net")).pk for i in range(3)]
     link = routed()
-    real_insert = record.insert
+    real_enqueue = record.enqueue
     failed = []
 
-    def insert_failing_once(rows):
+    def enqueue_failing_once(rows):
         if not failed:
             failed.append(rows)
-            raise DatabaseError("tracking_event is locked")
-        real_insert(rows)
+            raise DatabaseError("tracking_webhookdelivery is locked")
+        return real_enqueue(rows)
 
-    monkeypatch.setattr(record, "insert", insert_failing_once)
+    monkeypatch.setattr(record, "enqueue", enqueue_failing_once)
 
     assert deliver.deliver_link(link.pk) == 3
 
@@ -182,8 +183,8 @@ def test_a_tracking_write_that_fails_undoes_the_early_record_and_the_round_recor
     assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
     assert Attempt.objects.count() == 3
     assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
-    delivered = TrackingEvent.objects.filter(event="delivered", message_pk__in=ids)
-    assert sorted(delivered.values_list("recipient", flat=True)) == [
+    delivered = history(event="delivered", message_pk__in=ids)
+    assert sorted(row.recipient for row in delivered) == [
         "u0@example.net",
         "u1@example.net",
         "u2@example.net",
@@ -219,8 +220,7 @@ def test_an_early_record_whose_commit_answer_is_lost_is_not_written_twice(
     assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
     assert Attempt.objects.count() == 3
     assert Recipient.objects.filter(attempt_count=1).count() == 3
-    delivered = TrackingEvent.objects.filter(event="delivered", message_pk__in=ids)
-    assert delivered.count() == 3
+    assert len(history(event="delivered", message_pk__in=ids)) == 3
 
 
 def _in_transaction_thread(write, statement_done, go, after=None) -> threading.Thread:
@@ -253,7 +253,7 @@ def _record_in_thread(rcpt: Recipient, owner: str, statement_done, go) -> thread
     res = RecipientResult(
         rcpt.id, rcpt.message_id, AttemptOutcome.DELIVERED, AttemptPhase.DATA, 250, "2.0.0", "ok"
     )
-    values = [attempt_values(res, now) | {"last_host": "mx"}]
+    values = [attempt_values(res, now, None) | {"last_host": "mx"}]
     return _in_transaction_thread(
         lambda: Recipient.objects.record_delivered(values, owner, now),
         statement_done,

@@ -15,15 +15,16 @@ from django.db import connection
 from django.test import Client
 
 from delivery.qmgr.sweep import sweep
+from delivery.smtp.outcome import remote_queue_id
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.lib import clock
 from queues.models import Message, Recipient
 from queues.services import actions
+from tests.support.history import history
 from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain
 from tracking import eventlog, partitions
 from tracking.models import TrackingEvent
-from tracking.record import remote_queue_id
 
 pytestmark = pytest.mark.django_db
 
@@ -41,9 +42,7 @@ def accept(*rcpts: str, sender: str = "a@example.org", body: bytes = BODY) -> Me
 
 
 def events(qid: str) -> list[str]:
-    return list(
-        TrackingEvent.objects.filter(qid=qid).order_by("at", "id").values_list("event", flat=True)
-    )
+    return [row.event for row in history(qid=qid)]
 
 
 @pytest.fixture
@@ -60,7 +59,7 @@ def test_it_records_a_delivered_message_with_the_remote_queue_id(relay, sink_fac
     message = accept("bob@example.net")
     drain()
     assert events(message.qid) == ["received", "routed", "delivered"]
-    received, routed, delivered = TrackingEvent.objects.filter(qid=message.qid).order_by("at", "id")
+    received, routed, delivered = history(qid=message.qid)
     assert (received.client, received.size, received.sender) == (
         "192.0.2.7",
         message.size,
@@ -181,10 +180,7 @@ def test_the_event_log_has_one_json_line_per_event(
     lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     mine = [x for x in lines if x["qid"] == message.qid]
     assert [x["event"] for x in mine] == ["received", "routed", "delivered"]
-    stored = {
-        str(e)
-        for e in TrackingEvent.objects.filter(qid=message.qid).values_list("event_id", flat=True)
-    }
+    stored = {str(row.event_id) for row in history(qid=message.qid)}
     assert {x["event_id"] for x in mine} == stored
     assert set(mine[0]) == {"v", "event_id", "at", "event", *eventlog.FIELDS}
     assert mine[2]["remote_id"] == "9Q" and mine[2]["at"].endswith("Z")

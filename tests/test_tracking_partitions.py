@@ -74,8 +74,8 @@ def test_todays_rows_in_the_default_stay_there_and_an_event_says_so():
     assert partitions.DAYS_AHEAD >= 7
     record.write(
         [
-            record.new("delivered", now - timedelta(hours=2), qid="TODAY"),
-            record.new("delivered", now - timedelta(days=4), qid="STUCK"),  # an older day
+            record.new("deferred", now - timedelta(hours=2), qid="TODAY"),
+            record.new("deferred", now - timedelta(days=4), qid="STUCK"),  # an older day
         ]
     )
     report = partitions.maintain(now, RETENTION)

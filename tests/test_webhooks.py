@@ -19,10 +19,11 @@ from django.test import Client
 
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.lib import clock
+from tests.support.history import history
 from tests.support.operator_factories import make_user
 from tests.support.pipeline import drain
 from tracking import endpoints, record, sender
-from tracking.models import DeliveryState, TrackingEvent, WebhookAttempt, WebhookDelivery
+from tracking.models import DeliveryState, WebhookAttempt, WebhookDelivery
 
 pytestmark = pytest.mark.django_db
 
@@ -129,7 +130,7 @@ def test_a_receiver_gets_signed_events_exactly_as_documented(relay, receiver):
     # Its two recipients, and the DSN's failure (example.org has no MX here).
     assert sender.send_due() == 3
     assert len(receiver.requests) == 3
-    row = TrackingEvent.objects.get(event="delivered")
+    (row,) = history(event="delivered")
     by_type = {}
     for headers, body in receiver.requests:
         signature = headers["X-Mailrelay-Signature"]
@@ -324,8 +325,8 @@ def test_an_endpoint_deleted_while_mail_flows_costs_no_delivery_record(relay, re
     assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
     assert set(Message.objects.values_list("state", flat=True)) == {MessageState.DONE}
     # (the partitioned tracking table outlives transactional tests: count ours)
-    ours = TrackingEvent.objects.filter(qid__in=list(Message.objects.values_list("qid", flat=True)))
-    assert ours.filter(event="delivered").count() == 2
+    qids = list(Message.objects.values_list("qid", flat=True))
+    assert len(history(qid__in=qids, event="delivered")) == 2
     assert not WebhookDelivery.objects.exists()  # none for the deleted endpoint
     clock.advance(timedelta(minutes=5))
     drain()

@@ -14,12 +14,13 @@ class TrackingConfig(AppConfig):
         from queues import signals
         from queues.bounce.notify import dsn_sent
         from queues.models import AuditEntry
-        from tracking import record
+        from tracking import history, record
 
         signals.recipients_placed.connect(record.on_placed, dispatch_uid="tracking.placed")
         signals.attempts_recorded.connect(
             record.on_attempts_recorded, dispatch_uid="tracking.attempted"
         )
         signals.recipients_expired.connect(record.on_expired, dispatch_uid="tracking.expired")
+        signals.messages_purging.connect(history.on_purging, dispatch_uid="tracking.purging")
         post_save.connect(record.on_audit, sender=AuditEntry, dispatch_uid="tracking.audit")
         dsn_sent.connect(record.on_dsn_sent, dispatch_uid="tracking.dsn_sent")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from typing import Any
 from celery import current_app
 from django.db import DatabaseError, connection, transaction
 
+from delivery.smtp.outcome import remote_queue_id
 from queues import counters
 from queues.database import insert_json, json_payload, json_rows
 from queues.lib import clock, scrub_nul
@@ -123,6 +123,12 @@ def _as_dict(row: Row) -> dict[str, Any]:
     return {name: getattr(row, name) for name in COLUMNS}
 
 
+# Events that are rows of the store already: a delivery is its attempt
+# (tracking.history reads it there while its message lives; the purge moves it
+# here). Their webhooks and event-log lines go out as any other's.
+DERIVED = frozenset({events.DELIVERED})
+
+
 def insert(rows: Sequence[Row]) -> None:
     """One INSERT for the batch, in the caller's transaction."""
     if connection.vendor == "postgresql":
@@ -138,6 +144,13 @@ def insert(rows: Sequence[Row]) -> None:
         cur.executemany(SQLITE_INSERT, params)
 
 
+def _store(rows: Sequence[Row]) -> None:
+    """``insert`` of the rows that are not the store's already (``DERIVED``)."""
+    stored = [r for r in rows if r.event not in DERIVED]
+    if stored:
+        insert(stored)
+
+
 def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
     """Store ``rows`` in the caller's transaction (one INSERT), queue the webhooks
     they trigger (one more INSERT, only when an enabled endpoint wants one of
@@ -149,8 +162,10 @@ def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
     round's final record writes it)."""
     if not rows:
         return
-    if not own_savepoint:
-        insert(rows)
+    if not own_savepoint or (
+        not endpoints() and all(r.event in DERIVED for r in rows)
+    ):  # nothing to write that could fail on its own: no savepoint
+        _store(rows)
         enqueue(rows)
         _log_after_commit(rows)
         return
@@ -160,7 +175,7 @@ def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
     # message again. The row and its webhooks stay atomic with each other.
     try:
         with transaction.atomic():
-            insert(rows)
+            _store(rows)
             enqueue(rows)
     except DatabaseError as exc:
         if len(rows) == 1 or _transient(exc):
@@ -197,7 +212,7 @@ def _transient(exc: DatabaseError) -> bool:
 def _write_one(row: Row) -> bool:
     try:
         with transaction.atomic():
-            insert([row])
+            _store([row])
             enqueue([row])
     except DatabaseError:
         log.exception("could not write the tracking row %s %s", row.event, row.qid)
@@ -529,11 +544,22 @@ def placed(
     write(rows)
 
 
-def _tls(attempt: Any) -> str:
-    if not attempt.tls_version:
+def tls_text(version: str, cipher: str, verified: str) -> str:
+    """The ``tls`` column of an attempt's event: ``TLSv1.3 TLS_AES_… ca``."""
+    if not version:
         return ""
-    verified = attempt.tls_verified if attempt.tls_verified not in ("", "none") else "unverified"
-    return f"{attempt.tls_version} {attempt.tls_cipher} {verified}".strip()[:160]
+    verified = verified if verified not in ("", "none") else "unverified"
+    return f"{version} {cipher} {verified}".strip()[:160]
+
+
+def reply_text(code: int | None, enhanced: str, text: str) -> str:
+    """The ``reply`` column of an attempt's event: ``250 2.0.0 Ok: queued as …``."""
+    return " ".join(str(p) for p in (code or "", enhanced, text) if p)
+
+
+def attempt_detail(phase: str, duration_ms: int, auth_used: str) -> dict[str, Any]:
+    """The ``detail`` column of an attempt's event."""
+    return {"phase": phase, "duration_ms": duration_ms} | ({"auth": auth_used} if auth_used else {})
 
 
 def attempted(
@@ -570,7 +596,7 @@ def attempted(
             # Deferred; or the round lost its claim before recording (``row`` is
             # None): the recipient waits for its new owner, not failed.
             event = events.DEFERRED
-        reply = " ".join(str(p) for p in (a.code or "", a.enhanced, a.text) if p)
+        reply = reply_text(a.code, a.enhanced, a.text)
         out.append(
             new(
                 event,
@@ -579,13 +605,14 @@ def attempted(
                 next_hop=link.name,
                 host=a.host,
                 ip=a.ip,
-                tls=_tls(a),
+                tls=tls_text(a.tls_version, a.tls_cipher, a.tls_verified),
                 code=a.code,
                 enhanced=a.enhanced,
                 reply=reply,
                 remote_id=remote_queue_id(a.text) if event == events.DELIVERED else "",
-                detail={"phase": a.phase, "duration_ms": a.duration_ms}
-                | ({"auth": a.auth_used} if a.auth_used else {})
+                # A delivery's id is its attempt's (Attempt.event_id).
+                **({"event_id": a.event_id} if event == events.DELIVERED else {}),
+                detail=attempt_detail(a.phase, a.duration_ms, a.auth_used)
                 | (
                     {"retry_timeout": True}
                     if event == events.FAILED and a.outcome != "failed"
@@ -714,30 +741,3 @@ def on_audit(sender: object, instance: AuditEntry, created: bool, **kwargs: obje
                 for i in chunk
             ]
         write(rows)
-
-
-# ----------------------------------------------------------------------------
-# The next hop's own queue id, read from its reply to the end of data.
-# ----------------------------------------------------------------------------
-
-
-# Most specific first; each captures the id (sizes bounded: a reply is text from a peer).
-_PATTERNS = (
-    re.compile(r"queued as\s+<?([A-Za-z0-9][A-Za-z0-9._@\-]{0,98})>?", re.I),  # Postfix
-    re.compile(r"\bid=([A-Za-z0-9][A-Za-z0-9._\-]{0,98})", re.I),  # Exim "OK id=1kAbc-000123-AB"
-    re.compile(r"\bInternalId=(\d{1,40})", re.I),  # Exchange
-    re.compile(r"(\S{1,99}) - gsmtp\s*$"),  # Gmail "OK  1700000000 a1-20020a...- gsmtp"
-    re.compile(
-        r"^\s*(?:\d\.\d{1,3}\.\d{1,3}\s+)?([A-Za-z0-9]{8,40}) Message accepted for delivery", re.I
-    ),  # Sendmail
-    re.compile(r"\bqueued (?:with id|as id)\s+([A-Za-z0-9][A-Za-z0-9._\-]{0,98})", re.I),
-)
-
-
-def remote_queue_id(reply: str) -> str:
-    """``"250 2.0.0 Ok: queued as 4Xyz"`` → ``"4Xyz"``; ``""`` when the reply names none."""
-    for pattern in _PATTERNS:
-        match = pattern.search(reply)
-        if match:
-            return match[1].rstrip(".")[:100]
-    return ""

@@ -1,6 +1,8 @@
 """Search of the tracking rows, shared by the UI, the API and ``manage.py track``.
 
-Each criterion is answered by an index of ``tracking_event`` (tracking.partitions):
+Each criterion is answered by an index of ``tracking_event`` (tracking.partitions),
+and, for the deliveries of messages still in the store, by an index of the
+store's tables (``tracking.history``: a delivery is its attempt):
 sender and recipient (exact, any case), Message-ID (with or without its
 angle brackets), our queue id, the remote queue id, event kinds, and a time
 window; newest first, paged by a cursor on (at, id).
@@ -18,8 +20,12 @@ from django.db.models import Q, QuerySet
 from django.db.models.functions import MD5, Lower
 from django.utils.dateparse import parse_datetime
 
+from queues import filters  # noqa: F401 - registers the ticontains lookup
 from queues.lib import clock, parse_duration
-from tracking.events import RECEIVED, TRACKING_EVENTS
+from queues.models import Attempt
+from tracking import history
+from tracking.config import tracking_settings
+from tracking.events import DELIVERED, RECEIVED, TRACKING_EVENTS
 from tracking.models import TrackingEvent
 
 DEFAULT_LIMIT = 50
@@ -177,14 +183,69 @@ def search(query: TrackingQuery, limit: int = DEFAULT_LIMIT, cursor: str | None 
     if not 1 <= limit <= MAX_LIMIT:
         raise SearchError(f"limit: must be between 1 and {MAX_LIMIT}")
     qs = queryset(query)
-    if cursor:
-        at, ident = decode_cursor(cursor)
+    after = decode_cursor(cursor) if cursor else None
+    if after:
+        at, ident = after
         # (at, id) < cursor, written so the at index bounds it.
         qs = qs.filter(at__lte=at).filter(Q(at__lt=at) | Q(id__lt=ident))
     rows = list(qs.order_by("-at", "-id")[: limit + 1])
+    # The deliveries of messages still in the store are their attempts
+    # (tracking.history): the newest of both, in one order.
+    live = deliveries(query, after, limit + 1)
+    if live:
+        rows = sorted(rows + live, key=lambda r: (r.at, r.id), reverse=True)[: limit + 1]
     more = len(rows) > limit
     rows = rows[:limit]
     return Page(rows, encode_cursor(rows[-1]) if more and rows else None)
+
+
+def deliveries(
+    query: TrackingQuery, cursor: tuple[datetime, int] | None, limit: int
+) -> list[TrackingEvent]:
+    """The newest ``limit`` deliveries of messages still in the store that
+    ``query`` matches, after ``cursor`` (at, id), newest first."""
+    if query.event and DELIVERED not in query.event:
+        return []
+    rows = delivery_queryset(query, cursor).values(*history.VALUES)[:limit]
+    return [history.as_event(v) for v in rows]
+
+
+def delivery_queryset(
+    query: TrackingQuery, cursor: tuple[datetime, int] | None
+) -> QuerySet[Attempt]:
+    """``search``'s attempts, in its order, none older than the tracking
+    retention (as the rows of ``tracking_event``). Each criterion by an index: the
+    message's queue id, its sender and Message-ID through
+    ``queues_messagetext``'s trigram indexes, the recipient's address through
+    its own, the remote queue id and the time by the attempts' partial
+    indexes (``attempt_remote_id``, ``attempt_delivered``)."""
+    since = clock.now() - tracking_settings().retention
+    qs = history.deliveries().filter(started_at__gte=max(since, query.since or since))
+    if query.sender:
+        qs = qs.alias(sender_lower=Lower("message__mail_from")).filter(
+            message__search_text__mail_from__ticontains=query.sender,
+            sender_lower=query.sender.lower(),
+        )
+    if query.recipient:
+        qs = qs.alias(rcpt_lower=Lower("recipient__address")).filter(
+            recipient__address__ticontains=query.recipient,
+            rcpt_lower=query.recipient.lower(),
+        )
+    if query.message_id:
+        bare = query.message_id.strip("<>")
+        wanted = sorted({query.message_id, f"<{bare}>", bare})
+        qs = qs.filter(message__search_text__msgid__ticontains=bare, message__message_id__in=wanted)
+    if query.qid:
+        qs = qs.filter(message__qid=query.qid)
+    if query.remote_id:
+        qs = qs.exclude(remote_id="").filter(remote_id=query.remote_id)
+    if query.until:
+        qs = qs.filter(started_at__lt=query.until)
+    if cursor:
+        at, ident = cursor
+        # (at, -id) < cursor: the attempt's id above the cursor's negated one.
+        qs = qs.filter(started_at__lte=at).filter(Q(started_at__lt=at) | Q(id__gt=-ident))
+    return qs.order_by("-started_at", "id")
 
 
 def parse_limit(value: str | None) -> int:

@@ -33,7 +33,7 @@ from queues.models import (
 from queues.placement import special_queue
 from queues.services.counts import queues_recount
 from queues.services.timed import end_due as end_timed_actions
-from queues.signals import categorizer_work, link_work, recipients_expired
+from queues.signals import categorizer_work, link_work, messages_purging, recipients_expired
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,11 @@ def _purge_completed(report: SweepReport) -> None:
         )[:PURGE_BATCH]
     )
     if ids:
-        # Only the ids: a plain delete() would first load every body it cascades from.
-        Message.objects.filter(id__in=ids).only("id").delete()
+        with transaction.atomic():
+            # What outlives them is kept first (tracking's history of their deliveries).
+            messages_purging.send(None, message_ids=ids)
+            # Only the ids: a plain delete() would first load every body it cascades from.
+            Message.objects.filter(id__in=ids).only("id").delete()
     report.purged = len(ids)
 
 

@@ -676,7 +676,7 @@ def _record_delivered(
     now = clock.now()
     for res in results:
         res.text, res.host = scrub_nul(res.text), scrub_nul(res.host)
-    values = [attempt_values(res, now) | {"last_host": reply_host(res)} for res in results]
+    values = [attempt_values(res, now, link.pk) | {"last_host": reply_host(res)} for res in results]
     rows, facts = {}, {}
     for res in results:
         rcpt, m = index[res.recipient_id]

@@ -304,9 +304,11 @@ def _link_retry(link: Link) -> retry.LinkRetry:
     )
 
 
-def attempt_values(res: RecipientResult, now: datetime) -> dict[str, object]:
-    """The columns of ``res``'s Attempt row (its queue is its recipient's)."""
+def attempt_values(res: RecipientResult, now: datetime, link_id: int | None) -> dict[str, object]:
+    """The columns of ``res``'s Attempt row on link ``link_id`` (its queue is its
+    recipient's)."""
     return {
+        "link_id": link_id,
         "recipient_id": res.recipient_id,
         "message_id": res.message_id,
         "started_at": res.started_at or now,
@@ -324,6 +326,12 @@ def attempt_values(res: RecipientResult, now: datetime) -> dict[str, object]:
         "tls_verified": res.tls_verified[:20],
         "tls_policy": res.tls_policy[:20],
         "auth_used": res.auth_used[:20],
+        # A delivery is its own tracking event (tracking.history).
+        **(
+            {"event_id": res.event_id, "remote_id": remote_queue_id(res.text)}
+            if res.outcome == AttemptOutcome.DELIVERED
+            else {}
+        ),
     }
 
 
@@ -332,8 +340,8 @@ def reply_host(res: RecipientResult) -> str:
     return f"{res.host} [{res.ip}]" if res.ip else res.host
 
 
-def _attempt(res: RecipientResult, row: Recipient, now: datetime) -> Attempt:
-    return Attempt(queue_id=row.queue_id, **attempt_values(res, now))
+def _attempt(res: RecipientResult, row: Recipient, link: Link, now: datetime) -> Attempt:
+    return Attempt(queue_id=row.queue_id, **attempt_values(res, now, link.pk))
 
 
 def decide(
@@ -371,7 +379,7 @@ def decide(
         row = rows.get(res.recipient_id)
         if row is None:  # no longer this round's (taken back, removed)
             continue
-        rnd.attempts.append(_attempt(res, row, now))
+        rnd.attempts.append(_attempt(res, row, link, now))
         rnd.outcome.recipients[row.id] = _decide_recipient(
             rnd, res, row, senders.get(row.message_id, ""), via_mx
         )
@@ -755,3 +763,27 @@ def _as_row(hint: RetryData) -> RetryHint:
         error=hint.error,
         text=scrub_nul(hint.text)[:2000],  # PostgreSQL text holds no NUL
     )
+
+
+# The next hop's own queue id, read from its reply to the end of data: kept on
+# the delivered attempt (``Attempt.remote_id``), searched in the tracking history.
+# Most specific first; each captures the id (sizes bounded: a reply is text from a peer).
+_PATTERNS = (
+    re.compile(r"queued as\s+<?([A-Za-z0-9][A-Za-z0-9._@\-]{0,98})>?", re.I),  # Postfix
+    re.compile(r"\bid=([A-Za-z0-9][A-Za-z0-9._\-]{0,98})", re.I),  # Exim "OK id=1kAbc-000123-AB"
+    re.compile(r"\bInternalId=(\d{1,40})", re.I),  # Exchange
+    re.compile(r"(\S{1,99}) - gsmtp\s*$"),  # Gmail "OK  1700000000 a1-20020a...- gsmtp"
+    re.compile(
+        r"^\s*(?:\d\.\d{1,3}\.\d{1,3}\s+)?([A-Za-z0-9]{8,40}) Message accepted for delivery", re.I
+    ),  # Sendmail
+    re.compile(r"\bqueued (?:with id|as id)\s+([A-Za-z0-9][A-Za-z0-9._\-]{0,98})", re.I),
+)
+
+
+def remote_queue_id(reply: str) -> str:
+    """``"250 2.0.0 Ok: queued as 4Xyz"`` → ``"4Xyz"``; ``""`` when the reply names none."""
+    for pattern in _PATTERNS:
+        match = pattern.search(reply)
+        if match:
+            return match[1].rstrip(".")[:100]
+    return ""

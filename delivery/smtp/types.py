@@ -4,6 +4,7 @@ is routing's (``delivery.route.routing``)."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
@@ -65,6 +66,9 @@ class RecipientResult:
     auth_used: str = ""
     # What an MTA-STS "testing" policy would have refused (reported as an Event).
     tls_report: str = ""
+    # A delivery's tracking event id (Attempt.event_id): the same in its
+    # attempt row, its webhook and its event-log line, however often recorded.
+    event_id: uuid.UUID = field(default_factory=uuid.uuid4)
 
 
 @dataclass(frozen=True)

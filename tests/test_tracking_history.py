@@ -1,0 +1,252 @@
+"""A delivery is its attempt (tracking.history, issue #24): no second row in
+``tracking_event`` while its message is in the store; the search reads it from
+the attempt by every criterion, pages it among the stored rows, and the purge
+moves it into ``tracking_event`` with the same id and the same fields. Real
+sinks and the loopback DNS server (tests/support/pipeline.drain), the movable
+clock."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from delivery.qmgr.sweep import sweep
+from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
+from queues.models import Attempt, AttemptOutcome, Message
+from tests.support.history import history
+from tests.support.pipeline import drain
+from tracking import history as live
+from tracking.models import TrackingEvent
+from tracking.search import TrackingQuery, delivery_queryset, parse_query, search
+
+pytestmark = pytest.mark.django_db
+
+BODY = b"From: a@example.org\r\nTo: x\r\nMessage-ID: <h1@example.org>\r\nSubject: t\r\n\r\nhi\r\n"
+FIELDS = [f.attname for f in TrackingEvent._meta.concrete_fields if not f.primary_key]
+
+
+def accept(*rcpts: str, sender: str = "Ann@Example.org", body: bytes = BODY) -> Message:
+    env = IncomingEnvelope(
+        mail_from=sender,
+        recipients=[IncomingRecipient(r) for r in rcpts],
+        client_address="192.0.2.7",
+        client_helo="client.test",
+    )
+    return message_accept(env, body)
+
+
+@pytest.fixture
+def relay(dns_settings, settings, smtp_port):
+    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
+    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
+    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=5)
+    dns_settings.a("example.net", "127.0.0.2")
+    return dns_settings
+
+
+def fields(row: TrackingEvent) -> dict:
+    return {name: getattr(row, name) for name in FIELDS}
+
+
+def delivered_message(sink_factory, *rcpts: str) -> Message:
+    sink_factory("127.0.0.2", data_reply="250 2.0.0 Ok: queued as Q7Remote")
+    message = accept(*rcpts)
+    drain()
+    return message
+
+
+def test_a_delivery_is_one_attempt_row_and_no_tracking_row(relay, sink_factory):
+    message = delivered_message(sink_factory, "bob@example.net")
+    attempt = Attempt.objects.get(message=message)
+    assert attempt.outcome == AttemptOutcome.DELIVERED
+    assert attempt.event_id is not None and attempt.remote_id == "Q7Remote"
+    assert attempt.link_id is not None
+    stored = TrackingEvent.objects.filter(qid=message.qid)
+    assert sorted(stored.values_list("event", flat=True)) == ["received", "routed"]
+    (row,) = search(TrackingQuery(qid=message.qid, event=["delivered"])).rows
+    assert row.id == -attempt.id and row.event_id == attempt.event_id
+    assert (row.recipient, row.remote_id, row.code) == ("bob@example.net", "Q7Remote", 250)
+    assert row.reply == "250 2.0.0 Ok: queued as Q7Remote"
+    assert row.next_hop == attempt.link.name and row.host == "example.net"
+    assert (row.sender, row.message_id) == ("Ann@Example.org", "<h1@example.org>")
+    assert row.detail["phase"] == "data" and "duration_ms" in row.detail
+
+
+def test_the_purge_moves_the_delivery_into_the_tracking_table_unchanged(
+    relay, sink_factory, settings
+):
+    message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
+    before = {r.event_id: fields(r) for r in history(qid=message.qid, event="delivered")}
+    assert len(before) == 2
+    clock.advance(settings.MAILRELAY_COMPLETED_RETENTION + timedelta(minutes=1))
+    sweep()
+    assert not Message.objects.filter(pk=message.pk).exists()
+    assert not Attempt.objects.filter(message_id=message.pk).exists()
+    after = TrackingEvent.objects.filter(qid=message.qid, event="delivered")
+    assert {r.event_id: fields(r) for r in after} == before
+    assert all(r.id > 0 for r in after)
+    # Found once, now from the table.
+    assert len(search(parse_query({"remote_id": "Q7Remote"})).rows) == 2
+
+
+def test_the_purge_keeps_no_delivery_older_than_the_tracking_retention(
+    relay, sink_factory, settings
+):
+    message = delivered_message(sink_factory, "bob@example.net")
+    settings.MAILRELAY_TRACKING_RETENTION = timedelta(hours=1)
+    clock.advance(settings.MAILRELAY_COMPLETED_RETENTION + timedelta(minutes=1))
+    assert live.archive([message.pk]) == 0
+    settings.MAILRELAY_TRACKING_RETENTION = timedelta(days=30)
+    assert live.archive([message.pk]) == 1
+
+
+@pytest.mark.parametrize(
+    "criteria",
+    [
+        {"sender": "ann@EXAMPLE.org"},
+        {"recipient": "BOB@example.net"},
+        {"message_id": "h1@example.org"},
+        {"message_id": "<h1@example.org>"},
+        {"remote_id": "Q7Remote"},
+        {"event": "delivered,deferred"},
+        {"since": "1h"},
+    ],
+)
+def test_every_criterion_finds_a_delivery_of_a_message_in_the_store(relay, sink_factory, criteria):
+    message = delivered_message(sink_factory, "bob@example.net")
+    rows = search(parse_query(criteria | {"qid": message.qid})).rows
+    assert [r.event for r in rows if r.event == "delivered"] == ["delivered"]
+
+
+@pytest.mark.parametrize(
+    "criteria",
+    [
+        {"sender": "ann@example.or"},  # exact, not a substring
+        {"recipient": "bob@example.ne"},
+        {"message_id": "h1@example.or"},
+        {"remote_id": "Q7Remot"},
+        {"event": "routed"},
+        {"until": "1h"},
+    ],
+)
+def test_a_criterion_it_does_not_meet_leaves_the_delivery_out(relay, sink_factory, criteria):
+    message = delivered_message(sink_factory, "bob@example.net")
+    rows = search(parse_query(criteria | {"qid": message.qid})).rows
+    assert "delivered" not in [r.event for r in rows]
+
+
+def test_pages_of_one_walk_every_row_of_both_sources_once_newest_first(relay, sink_factory):
+    message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
+    whole = search(TrackingQuery(qid=message.qid)).rows
+    assert [r.event for r in whole].count("delivered") == 2 and len(whole) == 5
+    seen, cursor = [], None
+    while True:
+        page = search(TrackingQuery(qid=message.qid), limit=1, cursor=cursor)
+        seen += page.rows
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    assert [(r.at, r.id) for r in seen] == [(r.at, r.id) for r in whole]
+    assert [(r.at, r.id) for r in whole] == sorted(((r.at, r.id) for r in whole), reverse=True)
+
+
+def test_an_attempt_recorded_beside_its_tracking_row_is_not_shown_twice(relay, sink_factory):
+    """Attempts from before migration queues/0015 have no event id: their
+    tracking rows were written, the attempt is not read as an event."""
+    message = delivered_message(sink_factory, "bob@example.net")
+    Attempt.objects.filter(message=message).update(event_id=None)
+    assert not search(TrackingQuery(qid=message.qid, event=["delivered"])).rows
+    assert live.archive([message.pk]) == 0
+
+
+def _copy(model, source: str, replaced: dict[str, str], where: str) -> str:
+    """``INSERT INTO model SELECT … FROM source WHERE …``: every column of
+    ``model`` from alias ``s``, but those ``replaced`` (column -> SQL)."""
+    columns = [f.column for f in model._meta.concrete_fields if not f.primary_key]
+    values = ", ".join(replaced.get(c, f"s.{c}") for c in columns)
+    table = model._meta.db_table
+    return f"INSERT INTO {table} ({', '.join(columns)}) SELECT {values} FROM {source} WHERE {where}"
+
+
+def grow_store(message: Message, n: int) -> None:
+    """``n`` more delivered messages like ``message`` (a recipient and a delivery
+    each, their own sender, Message-ID, address and remote id), then ANALYZE:
+    the planner's view of a store a day of mail fills."""
+    from queues.models import Recipient
+
+    g = "substr(m.qid, 2)"
+    with connection.cursor() as cur:
+        cur.execute(
+            _copy(
+                Message,
+                "queues_message s, generate_series(1, %s) AS n",
+                {
+                    "qid": "'G' || n",
+                    "mail_from": "'s' || n || '@example.org'",
+                    "message_id": "'<g' || n || '@example.org>'",
+                    "received_at": "s.received_at - n * interval '1 second'",
+                },
+                "s.id = %s",
+            ),
+            [n, message.pk],
+        )
+        cur.execute(
+            _copy(
+                Recipient,
+                "queues_recipient s, queues_message m",
+                {"message_id": "m.id", "address": f"'r' || {g} || '@example.net'"},
+                "s.message_id = %s AND m.qid LIKE 'G%%'",
+            ),
+            [message.pk],
+        )
+        cur.execute(
+            _copy(
+                Attempt,
+                "queues_attempt s, queues_message m, queues_recipient r",
+                {
+                    "message_id": "m.id",
+                    "recipient_id": "r.id",
+                    "event_id": "gen_random_uuid()",
+                    "remote_id": f"'R' || {g}",
+                    "started_at": "m.received_at",
+                },
+                "s.message_id = %s AND m.qid LIKE 'G%%' AND r.message_id = m.id",
+            ),
+            [message.pk],
+        )
+        # As autovacuum leaves them: the trigram indexes' pending entries merged.
+        for index in (
+            "messagetext_mail_from_trgm",
+            "messagetext_msgid_trgm",
+            "recipient_address_trgm",
+        ):
+            cur.execute("SELECT gin_clean_pending_list(%s::regclass)", [index])
+        for table in ("queues_message", "queues_messagetext", "queues_recipient", "queues_attempt"):
+            cur.execute(f"ANALYZE {table}")
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's plans")
+@pytest.mark.parametrize(
+    ("criteria", "index"),
+    [
+        ({}, "attempt_delivered"),
+        ({"remote_id": "Q7Remote"}, "attempt_remote_id"),
+        ({"recipient": "bob@example.net"}, "recipient_address_trgm"),
+        ({"sender": "ann@example.org"}, "messagetext_mail_from_trgm"),
+    ],
+)
+def test_the_search_of_deliveries_reads_them_by_an_index(relay, sink_factory, criteria, index):
+    grow_store(delivered_message(sink_factory, "bob@example.net"), 20000)
+    found = delivery_queryset(parse_query(criteria), None).values(*live.VALUES)[:51]
+    sql, params = found.query.sql_with_params()
+    with connection.cursor() as cur:
+        cur.execute(f"EXPLAIN {sql}", params)
+        plan = "\n".join(line for (line,) in cur.fetchall())
+    assert index in plan, plan
+    for table in ("queues_attempt", "queues_message", "queues_recipient", "queues_messagetext"):
+        assert f"Seq Scan on {table}" not in plan, plan
+    if not criteria:  # the newest first in the index's order: no sort of them all
+        assert "Sort" not in plan, plan
