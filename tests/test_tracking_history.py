@@ -13,38 +13,19 @@ import pytest
 from django.db import connection
 
 from delivery.qmgr.sweep import sweep
-from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.lib import clock
 from queues.models import Attempt, AttemptOutcome, Message
 from tests.support.history import history
 from tests.support.pipeline import drain
+from tests.test_tracking import accept, relay  # noqa: F401 - relay: the fixture used below
 from tracking import history as live
 from tracking.models import TrackingEvent
 from tracking.search import TrackingQuery, delivery_queryset, parse_query, search
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("relay")]
 
 BODY = b"From: a@example.org\r\nTo: x\r\nMessage-ID: <h1@example.org>\r\nSubject: t\r\n\r\nhi\r\n"
 FIELDS = [f.attname for f in TrackingEvent._meta.concrete_fields if not f.primary_key]
-
-
-def accept(*rcpts: str, sender: str = "Ann@Example.org", body: bytes = BODY) -> Message:
-    env = IncomingEnvelope(
-        mail_from=sender,
-        recipients=[IncomingRecipient(r) for r in rcpts],
-        client_address="192.0.2.7",
-        client_helo="client.test",
-    )
-    return message_accept(env, body)
-
-
-@pytest.fixture
-def relay(dns_settings, settings, smtp_port):
-    settings.MAILRELAY_REMOTE_SMTP_PORT = smtp_port
-    settings.MAILRELAY_SMTP_CONNECT_TIMEOUT = timedelta(seconds=2)
-    settings.MAILRELAY_SMTP_CLIENT_TIMEOUT = timedelta(seconds=5)
-    dns_settings.a("example.net", "127.0.0.2")
-    return dns_settings
 
 
 def fields(row: TrackingEvent) -> dict:
@@ -53,12 +34,12 @@ def fields(row: TrackingEvent) -> dict:
 
 def delivered_message(sink_factory, *rcpts: str) -> Message:
     sink_factory("127.0.0.2", data_reply="250 2.0.0 Ok: queued as Q7Remote")
-    message = accept(*rcpts)
+    message = accept(*rcpts, sender="Ann@Example.org", body=BODY)
     drain()
     return message
 
 
-def test_a_delivery_is_one_attempt_row_and_no_tracking_row(relay, sink_factory):
+def test_a_delivery_is_one_attempt_row_and_no_tracking_row(sink_factory):
     message = delivered_message(sink_factory, "bob@example.net")
     attempt = Attempt.objects.get(message=message)
     assert attempt.outcome == AttemptOutcome.DELIVERED
@@ -75,9 +56,7 @@ def test_a_delivery_is_one_attempt_row_and_no_tracking_row(relay, sink_factory):
     assert row.detail["phase"] == "data" and "duration_ms" in row.detail
 
 
-def test_the_purge_moves_the_delivery_into_the_tracking_table_unchanged(
-    relay, sink_factory, settings
-):
+def test_the_purge_moves_the_delivery_into_the_tracking_table_unchanged(sink_factory, settings):
     message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
     before = {r.event_id: fields(r) for r in history(qid=message.qid, event="delivered")}
     assert len(before) == 2
@@ -92,9 +71,7 @@ def test_the_purge_moves_the_delivery_into_the_tracking_table_unchanged(
     assert len(search(parse_query({"remote_id": "Q7Remote"})).rows) == 2
 
 
-def test_the_purge_keeps_no_delivery_older_than_the_tracking_retention(
-    relay, sink_factory, settings
-):
+def test_the_purge_keeps_no_delivery_older_than_the_tracking_retention(sink_factory, settings):
     message = delivered_message(sink_factory, "bob@example.net")
     settings.MAILRELAY_TRACKING_RETENTION = timedelta(hours=1)
     clock.advance(settings.MAILRELAY_COMPLETED_RETENTION + timedelta(minutes=1))
@@ -115,7 +92,7 @@ def test_the_purge_keeps_no_delivery_older_than_the_tracking_retention(
         {"since": "1h"},
     ],
 )
-def test_every_criterion_finds_a_delivery_of_a_message_in_the_store(relay, sink_factory, criteria):
+def test_every_criterion_finds_a_delivery_of_a_message_in_the_store(sink_factory, criteria):
     message = delivered_message(sink_factory, "bob@example.net")
     rows = search(parse_query(criteria | {"qid": message.qid})).rows
     assert [r.event for r in rows if r.event == "delivered"] == ["delivered"]
@@ -132,13 +109,13 @@ def test_every_criterion_finds_a_delivery_of_a_message_in_the_store(relay, sink_
         {"until": "1h"},
     ],
 )
-def test_a_criterion_it_does_not_meet_leaves_the_delivery_out(relay, sink_factory, criteria):
+def test_a_criterion_it_does_not_meet_leaves_the_delivery_out(sink_factory, criteria):
     message = delivered_message(sink_factory, "bob@example.net")
     rows = search(parse_query(criteria | {"qid": message.qid})).rows
     assert "delivered" not in [r.event for r in rows]
 
 
-def test_pages_of_one_walk_every_row_of_both_sources_once_newest_first(relay, sink_factory):
+def test_pages_of_one_walk_every_row_of_both_sources_once_newest_first(sink_factory):
     message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
     whole = search(TrackingQuery(qid=message.qid)).rows
     assert [r.event for r in whole].count("delivered") == 2 and len(whole) == 5
@@ -153,7 +130,7 @@ def test_pages_of_one_walk_every_row_of_both_sources_once_newest_first(relay, si
     assert [(r.at, r.id) for r in whole] == sorted(((r.at, r.id) for r in whole), reverse=True)
 
 
-def test_an_attempt_recorded_beside_its_tracking_row_is_not_shown_twice(relay, sink_factory):
+def test_an_attempt_recorded_beside_its_tracking_row_is_not_shown_twice(sink_factory):
     """Attempts from before migration queues/0015 have no event id: their
     tracking rows were written, the attempt is not read as an event."""
     message = delivered_message(sink_factory, "bob@example.net")
@@ -238,7 +215,7 @@ def grow_store(message: Message, n: int) -> None:
         ({"sender": "ann@example.org"}, "messagetext_mail_from_trgm"),
     ],
 )
-def test_the_search_of_deliveries_reads_them_by_an_index(relay, sink_factory, criteria, index):
+def test_the_search_of_deliveries_reads_them_by_an_index(sink_factory, criteria, index):
     grow_store(delivered_message(sink_factory, "bob@example.net"), 20000)
     found = delivery_queryset(parse_query(criteria), None).values(*live.VALUES)[:51]
     sql, params = found.query.sql_with_params()
