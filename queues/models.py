@@ -8,6 +8,8 @@ Every state change lives here; Celery only says "there is work".
 
 from __future__ import annotations
 
+import uuid
+
 from django.db import models
 from django.db.models import Q
 
@@ -155,6 +157,11 @@ class Message(models.Model):
     # the stored bytes: what leaves is ``signature + data``; ``data`` stays
     # exactly what was received.
     signature = models.BinaryField(default=b"", blank=True)
+    # Its arrival is its own tracking event (tracking.history): the ``received``
+    # event's stable id (its webhook's and event-log line's id too). NULL: a
+    # message stored before migration 0016, whose ``received`` row is written
+    # in tracking_event.
+    event_id = models.UUIDField(null=True, blank=True, default=uuid.uuid4)
 
     objects = MessageQuerySet.as_manager()
 

@@ -46,6 +46,7 @@ PLACED_FACTS = (
     "message__received_at",
     "message__next_attempt_at",
     "message__source",
+    "message__event_id",
 )
 # A delivery round wrote its attempts. kwargs: ``attempts`` (queues.models.
 # Attempt objects), ``rows`` (the round's recipients by id, with their new

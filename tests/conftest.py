@@ -78,3 +78,27 @@ def bells(request, monkeypatch):
     recorder = BellRecorder()
     monkeypatch.setattr(tasks, "current_app", recorder)
     yield recorder
+
+
+@pytest.fixture
+def webhook_endpoint():
+    """Make an enabled webhook endpoint wanting ``events`` (its URL never
+    called); the process's endpoint cache read again before and after."""
+    from queues.lib import clock
+    from tracking import record
+    from tracking.models import WebhookEndpoint
+
+    def make(*events: str) -> WebhookEndpoint:
+        record.invalidate()
+        return WebhookEndpoint.objects.create(
+            name="-".join(events),
+            url="https://hooks.example.org/in",
+            events=list(events),
+            secret="s" * 32,
+            created_at=clock.now(),
+            updated_at=clock.now(),
+        )
+
+    yield make
+
+    record.invalidate()

@@ -1,7 +1,8 @@
-"""A delivery is its attempt (tracking.history, issue #24): no second row in
-``tracking_event`` while its message is in the store; the search reads it from
-the attempt by every criterion, pages it among the stored rows, and the purge
-moves it into ``tracking_event`` with the same id and the same fields. Real
+"""A delivery is its attempt, an arrival its message (tracking.history, issue
+#24): no second row in ``tracking_event`` while the message is in the store;
+the search reads them from the attempt and the message by every criterion,
+pages them among the stored rows, and the purge moves them into
+``tracking_event`` with the same id and the same fields. Real
 sinks and the loopback DNS server (tests/support/pipeline.drain), the movable
 clock."""
 
@@ -20,7 +21,13 @@ from tests.support.pipeline import drain
 from tests.test_tracking import accept, relay  # noqa: F401 - relay: the fixture used below
 from tracking import history as live
 from tracking.models import TrackingEvent
-from tracking.search import TrackingQuery, delivery_queryset, parse_query, search
+from tracking.search import (
+    TrackingQuery,
+    arrival_queryset,
+    delivery_queryset,
+    parse_query,
+    search,
+)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("relay")]
 
@@ -46,7 +53,7 @@ def test_a_delivery_is_one_attempt_row_and_no_tracking_row(sink_factory):
     assert attempt.event_id is not None and attempt.remote_id == "Q7Remote"
     assert attempt.link_id is not None
     stored = TrackingEvent.objects.filter(qid=message.qid)
-    assert sorted(stored.values_list("event", flat=True)) == ["received", "routed"]
+    assert list(stored.values_list("event", flat=True)) == ["routed"]
     (row,) = search(TrackingQuery(qid=message.qid, event=["delivered"])).rows
     assert row.id == -attempt.id and row.event_id == attempt.event_id
     assert (row.recipient, row.remote_id, row.code) == ("bob@example.net", "Q7Remote", 250)
@@ -73,6 +80,7 @@ def test_the_purge_moves_the_delivery_into_the_tracking_table_unchanged(sink_fac
 
 def test_the_purge_keeps_no_delivery_older_than_the_tracking_retention(sink_factory, settings):
     message = delivered_message(sink_factory, "bob@example.net")
+    Message.objects.filter(pk=message.pk).update(event_id=None)  # the delivery alone
     settings.MAILRELAY_TRACKING_RETENTION = timedelta(hours=1)
     clock.advance(settings.MAILRELAY_COMPLETED_RETENTION + timedelta(minutes=1))
     assert live.archive([message.pk]) == 0
@@ -115,7 +123,7 @@ def test_a_criterion_it_does_not_meet_leaves_the_delivery_out(sink_factory, crit
     assert "delivered" not in [r.event for r in rows]
 
 
-def test_pages_of_one_walk_every_row_of_both_sources_once_newest_first(sink_factory):
+def test_pages_of_one_walk_every_row_of_every_source_once_newest_first(sink_factory):
     message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
     whole = search(TrackingQuery(qid=message.qid)).rows
     assert [r.event for r in whole].count("delivered") == 2 and len(whole) == 5
@@ -135,6 +143,7 @@ def test_an_attempt_recorded_beside_its_tracking_row_is_not_shown_twice(sink_fac
     tracking rows were written, the attempt is not read as an event."""
     message = delivered_message(sink_factory, "bob@example.net")
     Attempt.objects.filter(message=message).update(event_id=None)
+    Message.objects.filter(pk=message.pk).update(event_id=None)  # the delivery alone
     assert not search(TrackingQuery(qid=message.qid, event=["delivered"])).rows
     assert live.archive([message.pk]) == 0
 
@@ -162,6 +171,7 @@ def grow_store(message: Message, n: int) -> None:
                 "queues_message s, generate_series(1, %s) AS n",
                 {
                     "qid": "'G' || n",
+                    "event_id": "gen_random_uuid()",
                     "mail_from": "'s' || n || '@example.org'",
                     "message_id": "'<g' || n || '@example.org>'",
                     "received_at": "s.received_at - n * interval '1 second'",
@@ -205,19 +215,155 @@ def grow_store(message: Message, n: int) -> None:
             cur.execute(f"ANALYZE {table}")
 
 
-@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's plans")
+# --- an arrival is its message (migration queues/0016) ----------------------
+
+
+def test_an_arrival_is_its_message_and_no_tracking_row(sink_factory):
+    message = delivered_message(sink_factory, "bob@example.net")
+    message.refresh_from_db()
+    assert message.event_id is not None
+    assert not TrackingEvent.objects.filter(qid=message.qid, event="received").exists()
+    (row,) = search(TrackingQuery(qid=message.qid, event=["received"])).rows
+    assert row.id == message.pk - live.ARRIVAL_OFFSET and row.event_id == message.event_id
+    assert (row.at, row.message_pk, row.sender) == (
+        message.received_at,
+        message.pk,
+        "Ann@Example.org",
+    )
+    assert (row.client, row.size, row.account) == ("192.0.2.7", message.size, "")
+    assert row.message_id == "<h1@example.org>" and row.detail == {"source": "smtp"}
+    assert (row.recipient, row.remote_id, row.queue) == ("", "", "")
+
+
+def test_an_arrival_is_shown_from_its_acceptance(sink_factory):
+    """Before the categorizer has taken it, as after."""
+    message = accept("bob@example.net", sender="Ann@Example.org", body=BODY)
+    assert [r.event for r in search(TrackingQuery(qid=message.qid)).rows] == ["received"]
+
+
+def test_pages_of_one_walk_arrivals_of_one_instant_once_each():
+    """Messages accepted at one instant: the cursor's id tells them apart."""
+    ids = [accept(f"u{i}@example.net", body=BODY).pk for i in range(3)]
+    Message.objects.filter(pk__in=ids).update(received_at=clock.now())
+    seen, cursor = [], None
+    while True:
+        page = search(TrackingQuery(event=["received"]), limit=1, cursor=cursor)
+        seen += [r.message_pk for r in page.rows]
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    assert seen == sorted(ids, reverse=True)
+
+
+def test_the_received_webhook_carries_the_messages_event_id(sink_factory, webhook_endpoint):
+    """As a delivery's carries its attempt's (the event log: test_tracking)."""
+    from tracking.models import WebhookDelivery
+
+    webhook_endpoint("received")
+    message = delivered_message(sink_factory, "bob@example.net")
+    message.refresh_from_db()
+    (hook,) = WebhookDelivery.objects.filter(event="received")
+    assert hook.event_id == message.event_id
+    assert str(message.event_id) in hook.body
+
+
+def test_the_purge_moves_the_arrival_into_the_tracking_table_unchanged(sink_factory, settings):
+    message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
+    (before,) = history(qid=message.qid, event="received")
+    assert before.id < 0
+    clock.advance(settings.MAILRELAY_COMPLETED_RETENTION + timedelta(minutes=1))
+    sweep()
+    assert not Message.objects.filter(pk=message.pk).exists()
+    (after,) = TrackingEvent.objects.filter(qid=message.qid, event="received")
+    assert after.id > 0 and fields(after) == fields(before)
+    # Still found by a recipient of the message, now through its stored rows.
+    found = search(parse_query({"recipient": "carol@example.net", "event": "received"})).rows
+    assert [r.event_id for r in found] == [before.event_id]
+
+
+def test_the_purge_keeps_no_arrival_older_than_the_tracking_retention(sink_factory, settings):
+    message = delivered_message(sink_factory, "bob@example.net")
+    Attempt.objects.filter(message=message).update(event_id=None)  # the arrival alone
+    settings.MAILRELAY_TRACKING_RETENTION = timedelta(hours=1)
+    clock.advance(timedelta(hours=2))
+    assert not search(TrackingQuery(qid=message.qid, event=["received"])).rows
+    assert live.archive([message.pk]) == 0
+    settings.MAILRELAY_TRACKING_RETENTION = timedelta(days=30)
+    assert live.archive([message.pk]) == 1
+
+
 @pytest.mark.parametrize(
-    ("criteria", "index"),
+    "criteria",
     [
-        ({}, "attempt_delivered"),
-        ({"remote_id": "Q7Remote"}, "attempt_remote_id"),
-        ({"recipient": "bob@example.net"}, "recipient_address_trgm"),
-        ({"sender": "ann@example.org"}, "messagetext_mail_from_trgm"),
+        {"sender": "ann@EXAMPLE.org"},
+        {"recipient": "CAROL@example.net"},
+        {"message_id": "h1@example.org"},
+        {"message_id": "<h1@example.org>"},
+        {"event": "received,routed"},
+        {"since": "1h"},
     ],
 )
-def test_the_search_of_deliveries_reads_them_by_an_index(sink_factory, criteria, index):
+def test_every_criterion_finds_an_arrival_of_a_message_in_the_store(sink_factory, criteria):
+    message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
+    rows = search(parse_query(criteria | {"qid": message.qid})).rows
+    assert [r.event for r in rows if r.event == "received"] == ["received"]
+
+
+@pytest.mark.parametrize(
+    "criteria",
+    [
+        {"sender": "ann@example.or"},  # exact, not a substring
+        {"recipient": "bob@example.ne"},
+        {"message_id": "h1@example.or"},
+        {"remote_id": "Q7Remote"},  # an arrival has no remote queue id
+        {"event": "delivered"},
+        {"until": "1h"},
+    ],
+)
+def test_a_criterion_it_does_not_meet_leaves_the_arrival_out(sink_factory, criteria):
+    message = delivered_message(sink_factory, "bob@example.net")
+    rows = search(parse_query(criteria | {"qid": message.qid})).rows
+    assert "received" not in [r.event for r in rows]
+
+
+def test_a_message_stored_before_its_event_id_has_its_received_row_written_once(sink_factory):
+    """Messages from before migration queues/0016 have no event id: the
+    categorizer writes their ``received`` row, the message is not read as one."""
+    sink_factory("127.0.0.2", data_reply="250 2.0.0 Ok: queued as Q7Remote")
+    message = accept("bob@example.net", sender="Ann@Example.org", body=BODY)
+    Message.objects.filter(pk=message.pk).update(event_id=None)
+    drain()
+    (stored,) = TrackingEvent.objects.filter(qid=message.qid, event="received")
+    assert [r.id for r in search(TrackingQuery(qid=message.qid, event=["received"])).rows] == [
+        stored.id
+    ]
+    assert live.archive([message.pk]) == 1  # its delivery only
+
+
+DELIVERIES = (delivery_queryset, live.VALUES)
+ARRIVALS = (arrival_queryset, live.ARRIVAL_VALUES)
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's plans")
+@pytest.mark.parametrize(
+    ("source", "criteria", "index"),
+    [
+        (DELIVERIES, {}, "attempt_delivered"),
+        (DELIVERIES, {"remote_id": "Q7Remote"}, "attempt_remote_id"),
+        (DELIVERIES, {"recipient": "bob@example.net"}, "recipient_address_trgm"),
+        (DELIVERIES, {"sender": "ann@example.org"}, "messagetext_mail_from_trgm"),
+        (ARRIVALS, {}, "message_received"),
+        (ARRIVALS, {"recipient": "bob@example.net"}, "recipient_address_trgm"),
+        (ARRIVALS, {"sender": "ann@example.org"}, "messagetext_mail_from_trgm"),
+        (ARRIVALS, {"message_id": "h1@example.org"}, "messagetext_msgid_trgm"),
+    ],
+)
+def test_the_search_of_the_stores_events_reads_them_by_an_index(
+    sink_factory, source, criteria, index
+):
     grow_store(delivered_message(sink_factory, "bob@example.net"), 20000)
-    found = delivery_queryset(parse_query(criteria), None).values(*live.VALUES)[:51]
+    queryset, values = source
+    found = queryset(parse_query(criteria), None).values(*values)[:51]
     sql, params = found.query.sql_with_params()
     with connection.cursor() as cur:
         cur.execute(f"EXPLAIN {sql}", params)

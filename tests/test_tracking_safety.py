@@ -11,10 +11,12 @@ import pytest
 from django.db import connection
 
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
+from queues.lib import clock
 from queues.models import Attempt, Message, Recipient, RecipientState
+from tests.support.history import history
 from tests.support.pipeline import drain
 from tracking import events, record
-from tracking.models import TrackingEvent
+from tracking.models import TrackingEvent, WebhookDelivery
 
 pytestmark = pytest.mark.django_db
 
@@ -31,32 +33,39 @@ def relay(dns_settings, settings, smtp_port):
 
 
 def test_a_tracking_insert_that_fails_in_the_database_leaves_the_delivery_recorded(
-    relay, sink_factory, monkeypatch
+    relay, sink_factory, monkeypatch, webhook_endpoint
 ):
+    """What tracking writes beside a delivery is its webhooks' outbox rows (the
+    delivery itself is its attempt, tracking.history): a real error there, in
+    the round's transaction, loses those and nothing of the delivery."""
     sink = sink_factory("127.0.0.2")
+    webhook_endpoint("delivered")
     message = message_accept(
         IncomingEnvelope(
             mail_from="a@example.org", recipients=[IncomingRecipient("b@example.net")]
         ),
         BODY,
     )
-    real_insert = record.insert
+    real_enqueue = record.enqueue
+    failed = []
 
-    def failing_insert(rows):
+    def failing_enqueue(rows):
         if any(r.event == events.DELIVERED for r in rows):
+            failed.append(rows)
             with connection.cursor() as cur:
                 cur.execute("SELECT 1 / 0")  # a real error, in the round's transaction
-        real_insert(rows)
+        return real_enqueue(rows)
 
-    monkeypatch.setattr(record, "insert", failing_insert)
+    monkeypatch.setattr(record, "enqueue", failing_enqueue)
     drain()
+    assert failed
     recipient = Recipient.objects.get(message_id=message.pk)
     assert recipient.state == RecipientState.DELIVERED
     assert Message.objects.get(pk=message.pk).state == "done"
     assert Attempt.objects.filter(recipient=recipient, outcome="delivered").count() == 1
     assert len(sink.messages) == 1  # sent once: nothing to send again
-    kinds = set(TrackingEvent.objects.filter(qid=message.qid).values_list("event", flat=True))
-    assert kinds == {"received", "routed"}  # the delivered row is the one lost
+    assert [r.event for r in history(qid=message.qid)] == ["received", "routed", "delivered"]
+    assert not WebhookDelivery.objects.filter(event="delivered").exists()  # the one lost
 
 
 def _attempt(outcome: str, recipient_id: int = 7) -> Attempt:
@@ -80,7 +89,6 @@ def _attempt(outcome: str, recipient_id: int = 7) -> Attempt:
 def test_a_round_that_lost_its_claim_reports_no_failure(owned, expected, monkeypatch):
     written: list = []
     monkeypatch.setattr(record, "write", lambda rows, **_: written.extend(rows))
-    from queues.lib import clock
 
     row = SimpleNamespace(state=RecipientState.FAILED, address="b@example.net")
     record.attempted(

@@ -84,9 +84,14 @@ class Row:
     remote_id: str = ""
     actor: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
+    # Not a column: False for an event that is a row of the store already (a
+    # delivery is its attempt, an arrival its message: tracking.history reads
+    # it there while its message lives and the purge moves it here). Its
+    # webhooks and event-log line go out as any other's.
+    stored: bool = True
 
 
-COLUMNS = tuple(Row.__dataclass_fields__)
+COLUMNS = tuple(name for name in Row.__dataclass_fields__ if name != "stored")
 # PostgreSQL: one INSERT … SELECT FROM json_to_recordset() of the whole batch
 # as one JSON parameter: a VALUES list (23 placeholders a row) or one array
 # per column cost psycopg several times more CPU to send than the JSON encoder.
@@ -123,12 +128,6 @@ def _as_dict(row: Row) -> dict[str, Any]:
     return {name: getattr(row, name) for name in COLUMNS}
 
 
-# Events that are rows of the store already: a delivery is its attempt
-# (tracking.history reads it there while its message lives; the purge moves it
-# here). Their webhooks and event-log lines go out as any other's.
-DERIVED = frozenset({events.DELIVERED})
-
-
 def insert(rows: Sequence[Row]) -> None:
     """One INSERT for the batch, in the caller's transaction."""
     if connection.vendor == "postgresql":
@@ -145,8 +144,8 @@ def insert(rows: Sequence[Row]) -> None:
 
 
 def _store(rows: Sequence[Row]) -> None:
-    """``insert`` of the rows that are not the store's already (``DERIVED``)."""
-    stored = [r for r in rows if r.event not in DERIVED]
+    """``insert`` of the rows that are not the store's already (``Row.stored``)."""
+    stored = [r for r in rows if r.stored]
     if stored:
         insert(stored)
 
@@ -163,7 +162,7 @@ def write(rows: Sequence[Row], *, own_savepoint: bool = True) -> None:
     if not rows:
         return
     if not own_savepoint or (
-        not endpoints() and all(r.event in DERIVED for r in rows)
+        not endpoints() and not any(r.stored for r in rows)
     ):  # nothing to write that could fail on its own: no savepoint
         _store(rows)
         enqueue(rows)
@@ -470,6 +469,29 @@ def _message_fields(facts: Mapping[int, tuple[str, str, str]], mid: int) -> dict
     return {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
 
 
+def _received(message: Sequence[Any], common: dict[str, Any]) -> Row | None:
+    """The ``received`` event of a message (the rest of its PLACED_FACTS) at its
+    first categorization, when it is due at its arrival; else None (once).
+
+    An arrival is its message (Message.event_id: tracking.history reads it
+    there); a message stored before migration queues/0016 has none, and its
+    row is written."""
+    client, account, size, received_at, next_attempt_at, source, event_id = message
+    if next_attempt_at != received_at:
+        return None
+    arrival = {"event_id": event_id, "stored": False} if event_id is not None else {}
+    return new(
+        events.RECEIVED,
+        received_at,
+        client=client or "",
+        account=account,
+        size=size,
+        detail={"source": source},
+        **common,
+        **arrival,
+    )
+
+
 def placed(
     placements: Mapping[str, Any], now: datetime, facts: Mapping[int, tuple] | None = None
 ) -> None:
@@ -494,22 +516,13 @@ def placed(
         recipients = list(Recipient.objects.filter(id__any=list(by_id)).values_list(*PLACED_FACTS))
     rows = []
     seen: set[int] = set()
-    for rid, address, mid, qid, sender, msgid, client, account, size, rcvd, nxt, src in recipients:
+    for rid, address, mid, qid, sender, msgid, *message in recipients:
         common = {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
-        # Received once: at the first categorization, the message is due at its arrival.
-        if mid not in seen and nxt == rcvd:
+        if mid not in seen:
             seen.add(mid)
-            rows.append(
-                new(
-                    events.RECEIVED,
-                    rcvd,
-                    client=client or "",
-                    account=account,
-                    size=size,
-                    detail={"source": src},
-                    **common,
-                )
-            )
+            arrival = _received(message, common)
+            if arrival is not None:
+                rows.append(arrival)
         domain, placement = by_id[rid]
         if placement.route is not None:
             rows.append(
@@ -610,8 +623,8 @@ def attempted(
                 enhanced=a.enhanced,
                 reply=reply,
                 remote_id=remote_queue_id(a.text) if event == events.DELIVERED else "",
-                # A delivery's id is its attempt's (Attempt.event_id).
-                **({"event_id": a.event_id} if event == events.DELIVERED else {}),
+                # A delivery is its attempt, and has its id (Attempt.event_id).
+                **({"event_id": a.event_id, "stored": False} if event == events.DELIVERED else {}),
                 detail=attempt_detail(a.phase, a.duration_ms, a.auth_used)
                 | (
                     {"retry_timeout": True}

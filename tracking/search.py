@@ -1,8 +1,9 @@
 """Search of the tracking rows, shared by the UI, the API and ``manage.py track``.
 
 Each criterion is answered by an index of ``tracking_event`` (tracking.partitions),
-and, for the deliveries of messages still in the store, by an index of the
-store's tables (``tracking.history``: a delivery is its attempt):
+and, for the arrivals and deliveries of messages still in the store, by an
+index of the store's tables (``tracking.history``: an arrival is its message,
+a delivery its attempt):
 sender and recipient (exact, any case), Message-ID (with or without its
 angle brackets), our queue id, the remote queue id, event kinds, and a time
 window; newest first, paged by a cursor on (at, id).
@@ -22,7 +23,7 @@ from django.utils.dateparse import parse_datetime
 
 from queues import filters  # noqa: F401 - registers the ticontains lookup
 from queues.lib import clock, parse_duration
-from queues.models import Attempt
+from queues.models import Attempt, Message, Recipient
 from tracking import history
 from tracking.config import tracking_settings
 from tracking.events import DELIVERED, RECEIVED, TRACKING_EVENTS
@@ -134,9 +135,7 @@ def queryset(query: TrackingQuery) -> QuerySet[TrackingEvent]:
             | Q(event=RECEIVED, qid__in=own)
         )
     if query.message_id:
-        bare = query.message_id.strip("<>")
-        # As asked too: a Message-ID cut at 998 characters may have lost its ">".
-        wanted = sorted({query.message_id, f"<{bare}>", bare})
+        wanted = _message_ids(query.message_id)
         # The index is on md5(message_id) where it is not '' (tracking.partitions):
         # the hash finds the rows, the text makes the match exact.
         qs = qs.alias(msgid_md5=MD5("message_id")).filter(
@@ -167,6 +166,8 @@ def decode_cursor(cursor: str) -> tuple[datetime, int]:
         text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         stamp, _, ident = text.partition(":")
         at = datetime.fromtimestamp(float(stamp), tz=clock.now().tzinfo)
+        if abs(int(ident)) >= 2**62:  # no row's id (tracking.history); a bigint's bounds
+            raise ValueError(ident)
         return at, int(ident)
     except (ValueError, UnicodeDecodeError, OverflowError):
         raise SearchError("cursor: not a cursor of this search") from None
@@ -189,9 +190,9 @@ def search(query: TrackingQuery, limit: int = DEFAULT_LIMIT, cursor: str | None 
         # (at, id) < cursor, written so the at index bounds it.
         qs = qs.filter(at__lte=at).filter(Q(at__lt=at) | Q(id__lt=ident))
     rows = list(qs.order_by("-at", "-id")[: limit + 1])
-    # The deliveries of messages still in the store are their attempts
-    # (tracking.history): the newest of both, in one order.
-    live = deliveries(query, after, limit + 1)
+    # The arrivals and deliveries of messages still in the store are their
+    # messages and attempts (tracking.history): the newest of all, in one order.
+    live = arrivals(query, after, limit + 1) + deliveries(query, after, limit + 1)
     if live:
         rows = sorted(rows + live, key=lambda r: (r.at, r.id), reverse=True)[: limit + 1]
     more = len(rows) > limit
@@ -221,22 +222,12 @@ def delivery_queryset(
     indexes (``attempt_remote_id``, ``attempt_delivered``)."""
     since = clock.now() - tracking_settings().retention
     qs = history.deliveries().filter(started_at__gte=max(since, query.since or since))
-    if query.sender:
-        qs = qs.alias(sender_lower=Lower("message__mail_from")).filter(
-            message__search_text__mail_from__ticontains=query.sender,
-            sender_lower=query.sender.lower(),
-        )
+    qs = _by_message(qs, query, "message__")
     if query.recipient:
         qs = qs.alias(rcpt_lower=Lower("recipient__address")).filter(
             recipient__address__ticontains=query.recipient,
             rcpt_lower=query.recipient.lower(),
         )
-    if query.message_id:
-        bare = query.message_id.strip("<>")
-        wanted = sorted({query.message_id, f"<{bare}>", bare})
-        qs = qs.filter(message__search_text__msgid__ticontains=bare, message__message_id__in=wanted)
-    if query.qid:
-        qs = qs.filter(message__qid=query.qid)
     if query.remote_id:
         qs = qs.exclude(remote_id="").filter(remote_id=query.remote_id)
     if query.until:
@@ -246,6 +237,77 @@ def delivery_queryset(
         # (at, -id) < cursor: the attempt's id above the cursor's negated one.
         qs = qs.filter(started_at__lte=at).filter(Q(started_at__lt=at) | Q(id__gt=-ident))
     return qs.order_by("-started_at", "id")
+
+
+def arrivals(
+    query: TrackingQuery, cursor: tuple[datetime, int] | None, limit: int
+) -> list[TrackingEvent]:
+    """The newest ``limit`` arrivals of messages still in the store that
+    ``query`` matches, after ``cursor`` (at, id), newest first."""
+    if (query.event and RECEIVED not in query.event) or query.remote_id:
+        return []  # an arrival has no remote queue id
+    rows = arrival_queryset(query, cursor).values(*history.ARRIVAL_VALUES)[:limit]
+    return [history.as_arrival(v) for v in rows]
+
+
+def arrival_queryset(
+    query: TrackingQuery, cursor: tuple[datetime, int] | None
+) -> QuerySet[Message]:
+    """``search``'s messages, in its order, none older than the tracking
+    retention. Each criterion by an index: the queue id's, the trigram
+    indexes of ``queues_messagetext`` for sender and Message-ID, the
+    recipients' address trigram index (a message is found by any of its
+    recipients, as its stored ``received`` row is), and ``message_received``
+    for the time and the order."""
+    since = clock.now() - tracking_settings().retention
+    qs = _by_message(history.arrivals(), query, "")
+    qs = qs.filter(received_at__gte=max(since, query.since or since))
+    if query.recipient:
+        own = (
+            Recipient.objects.alias(rcpt_lower=Lower("address"))
+            .filter(address__ticontains=query.recipient, rcpt_lower=query.recipient.lower())
+            .values("message_id")
+        )
+        qs = qs.filter(id__in=own)
+    if query.until:
+        qs = qs.filter(received_at__lt=query.until)
+    if cursor:
+        at, ident = cursor
+        # (at, id - ARRIVAL_OFFSET) < cursor
+        qs = qs.filter(received_at__lte=at).filter(
+            Q(received_at__lt=at) | Q(id__lt=ident + history.ARRIVAL_OFFSET)
+        )
+    return qs.order_by("-received_at", "-id")
+
+
+def _message_ids(message_id: str) -> list[str]:
+    """A Message-ID as asked, with and without its angle brackets (as asked
+    too: one cut at 998 characters may have lost its ">")."""
+    bare = message_id.strip("<>")
+    return sorted({message_id, f"<{bare}>", bare})
+
+
+def _by_message(qs: QuerySet, query: TrackingQuery, to_message: str) -> QuerySet:
+    """``qs`` (of a store's table; ``to_message``: its path to the message, ``""``
+    for the messages) filtered by the message's criteria: sender and
+    Message-ID through ``queues_messagetext``'s trigram indexes (the index
+    finds, the exact text decides), the queue id by its unique index."""
+    m = to_message
+    if query.sender:
+        qs = qs.alias(sender_lower=Lower(f"{m}mail_from")).filter(
+            **{f"{m}search_text__mail_from__ticontains": query.sender},
+            sender_lower=query.sender.lower(),
+        )
+    if query.message_id:
+        qs = qs.filter(
+            **{
+                f"{m}search_text__msgid__ticontains": query.message_id.strip("<>"),
+                f"{m}message_id__in": _message_ids(query.message_id),
+            }
+        )
+    if query.qid:
+        qs = qs.filter(**{f"{m}qid": query.qid})
+    return qs
 
 
 def parse_limit(value: str | None) -> int:
