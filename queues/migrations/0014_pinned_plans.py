@@ -166,6 +166,21 @@ END $fn$""",
 ]
 
 
+def original(signature: str) -> str:
+    """A function's text as this migration creates it (later ones edit it)."""
+    return next(sql for name, sql in FUNCTIONS if name == signature)
+
+
+def edited(signature: str, edits: list[tuple[str, str]]) -> str:
+    """``original(signature)`` with each (old, new) text replaced; each old
+    text must stand in it once."""
+    sql = original(signature)
+    for old, new in edits:
+        assert sql.count(old) == 1, old
+        sql = sql.replace(old, new)
+    return sql
+
+
 def create(apps, schema_editor) -> None:
     if schema_editor.connection.vendor != "postgresql":
         return

@@ -23,32 +23,30 @@ SIGNATURE = "queues_record_delivered(json, bigint[], text, timestamptz, varchar[
 
 
 def _previous() -> str:
-    return next(sql for signature, sql in PINNED.FUNCTIONS if signature == SIGNATURE)
+    return PINNED.original(SIGNATURE)
 
 
 def _current() -> str:
     """0014's function, writing ``event_id``, ``remote_id`` and ``link_id`` too."""
-    sql = _previous()
-    edits = [
-        (
-            "auth_used varchar(20), last_host text)",
-            "auth_used varchar(20), last_host text, event_id uuid, remote_id varchar(100),\n"
-            "    link_id bigint)",
-        ),
-        (
-            "tls_policy, auth_used, queue_id)",
-            "tls_policy, auth_used, queue_id, event_id, remote_id, link_id)",
-        ),
-        (
-            "v.tls_verified, v.tls_policy, v.auth_used, t.queue_id",
-            "v.tls_verified, v.tls_policy, v.auth_used, t.queue_id, v.event_id,\n"
-            "        coalesce(v.remote_id, ''), v.link_id",
-        ),
-    ]
-    for old, new in edits:
-        assert sql.count(old) == 1, old
-        sql = sql.replace(old, new)
-    return sql
+    return PINNED.edited(
+        SIGNATURE,
+        [
+            (
+                "auth_used varchar(20), last_host text)",
+                "auth_used varchar(20), last_host text, event_id uuid, remote_id varchar(100),\n"
+                "    link_id bigint)",
+            ),
+            (
+                "tls_policy, auth_used, queue_id)",
+                "tls_policy, auth_used, queue_id, event_id, remote_id, link_id)",
+            ),
+            (
+                "v.tls_verified, v.tls_policy, v.auth_used, t.queue_id",
+                "v.tls_verified, v.tls_policy, v.auth_used, t.queue_id, v.event_id,\n"
+                "        coalesce(v.remote_id, ''), v.link_id",
+            ),
+        ],
+    )
 
 
 def create(apps, schema_editor) -> None:

@@ -27,26 +27,24 @@ SIGNATURE = "queues_to_route(bigint[])"
 
 
 def _previous() -> str:
-    return next(sql for signature, sql in PINNED.FUNCTIONS if signature == SIGNATURE)
+    return PINNED.original(SIGNATURE)
 
 
 def _current() -> str:
     """0014's function, returning the message's ``event_id`` last."""
-    sql = _previous()
-    edits = [
-        (
-            "o_next_attempt_at timestamptz, o_source varchar)",
-            "o_next_attempt_at timestamptz, o_source varchar, o_event_id uuid)",
-        ),
-        (
-            "m.received_at, m.next_attempt_at, m.source\n",
-            "m.received_at, m.next_attempt_at, m.source,\n    m.event_id\n",
-        ),
-    ]
-    for old, new in edits:
-        assert sql.count(old) == 1, old
-        sql = sql.replace(old, new)
-    return sql
+    return PINNED.edited(
+        SIGNATURE,
+        [
+            (
+                "o_next_attempt_at timestamptz, o_source varchar)",
+                "o_next_attempt_at timestamptz, o_source varchar, o_event_id uuid)",
+            ),
+            (
+                "m.received_at, m.next_attempt_at, m.source\n",
+                "m.received_at, m.next_attempt_at, m.source,\n    m.event_id\n",
+            ),
+        ],
+    )
 
 
 def _replace(sql: str):
