@@ -383,6 +383,14 @@ DSN_KINDS = (DSN_FAILURE, DSN_DELAY, DSN_SUCCESS)
 DEFAULT_NOTIFY = frozenset({DSN_FAILURE, DSN_DELAY})
 
 
+def first_categorization(received_at: datetime, next_attempt_at: datetime) -> bool:
+    """Whether a message the categorizer takes is on its first categorization:
+    due at its arrival (whatever sends a message back to Submission, or revives
+    it, makes it due later). Its ``received`` event goes out then, and its
+    recipients have no routing yet."""
+    return next_attempt_at == received_at
+
+
 def null_sender(mail_from: str) -> bool:
     """Reports never go to the null sender (RFC 5321 §4.5.5, RFC 3461 §6.2: a
     report about a report could loop forever)."""

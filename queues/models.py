@@ -258,6 +258,31 @@ class Recipient(models.Model):
     last_host = models.CharField(max_length=300, blank=True)
     delay_dsn_sent = models.BooleanField(default=False)
     final_at = models.DateTimeField(null=True, blank=True)
+    # Its last routing, which is its ``routed`` tracking event (issue #24;
+    # tracking.history): when the categorizer placed it, in which queue, by
+    # which link (the route's, not an operator's re-route). Kept while it moves
+    # on (delivered, failed, parked); a new routing replaces them, the previous
+    # one moved into tracking_event first (queues.signals.recipients_rerouting).
+    # NULL: never routed, or routed before migration queues/0017.
+    routed_at = models.DateTimeField(null=True, blank=True)
+    routed_queue = models.ForeignKey(
+        Queue,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,  # queues and links are never deleted
+        related_name="+",
+        db_constraint=False,
+        db_index=False,
+    )
+    routed_link = models.ForeignKey(
+        Link,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        related_name="+",
+        db_constraint=False,
+        db_index=False,
+    )
 
     objects = RecipientQuerySet.as_manager()
 
@@ -280,6 +305,12 @@ class Recipient(models.Model):
             # Queue Viewer message list filtered by recipient domain:
             # WHERE EXISTS (SELECT 1 FROM recipient WHERE domain = %s AND message_id = m.id)
             models.Index(fields=["domain", "message"], name="recipient_domain"),
+            # tracking search: the routings of recipients in the store, newest first
+            models.Index(
+                fields=["-routed_at", "-id"],
+                name="recipient_routed",
+                condition=Q(routed_at__isnull=False),
+            ),
             # Substring filters on address and last_text use pg_trgm GIN indexes created
             # by migration 0003 on PostgreSQL only (not in model state).
         ]

@@ -26,10 +26,18 @@ link_work = Signal()
 
 # --- what the engine did (sent in its transaction) -------------------------------
 
+# The categorizer is about to route again recipients it may have routed
+# before (their message categorized again: back to Submission, revived): a
+# recipient's routing is its row (Recipient.routed_at, ...) and the new one
+# replaces it. kwargs: ``recipient_ids``. (Tracking moves the previous
+# routings into its own table: tracking.history.)
+recipients_rerouting = Signal()
 # The categorizer placed a batch. kwargs: ``placements`` (domain -> an object
 # with ``recipient_ids`` and either ``route`` (queue_name, link_name) or
 # ``error`` (permanent, enhanced, text)), ``now``, ``facts`` (the PLACED_FACTS
-# of the recipients by id, when the categorizer loaded them; else None).
+# of the recipients by id, when the categorizer loaded them; else None),
+# ``placed`` (the ids of the routed recipients it placed: a row an expiry or
+# an operator finished meanwhile is not; None: all).
 recipients_placed = Signal()
 # What ``recipients_placed`` carries of each recipient and its message, in this
 # order (the categorizer loads them with the recipients it routes).

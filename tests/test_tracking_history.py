@@ -1,6 +1,7 @@
-"""A delivery is its attempt, an arrival its message (tracking.history, issue
-#24): no second row in ``tracking_event`` while the message is in the store;
-the search reads them from the attempt and the message by every criterion,
+"""A delivery is its attempt, an arrival its message, a routing its recipient
+(tracking.history, issue #24): no second row in ``tracking_event`` while the
+message is in the store; the search reads them from the attempt, the message
+and the recipient by every criterion,
 pages them among the stored rows, and the purge moves them into
 ``tracking_event`` with the same id and the same fields. Real
 sinks and the loopback DNS server (tests/support/pipeline.drain), the movable
@@ -8,24 +9,29 @@ clock."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from delivery.qmgr.sweep import sweep
 from queues.lib import clock
-from queues.models import Attempt, AttemptOutcome, Message
+from queues.models import Attempt, AttemptOutcome, Message, Queue, Recipient
+from queues.services import reroute
 from tests.support.history import history
 from tests.support.pipeline import drain
 from tests.test_tracking import accept, relay  # noqa: F401 - relay: the fixture used below
 from tracking import history as live
-from tracking.models import TrackingEvent
+from tracking import record
+from tracking.models import TrackingEvent, WebhookDelivery
 from tracking.search import (
     TrackingQuery,
     arrival_queryset,
     delivery_queryset,
     parse_query,
+    routing_queryset,
     search,
 )
 
@@ -52,8 +58,7 @@ def test_a_delivery_is_one_attempt_row_and_no_tracking_row(sink_factory):
     assert attempt.outcome == AttemptOutcome.DELIVERED
     assert attempt.event_id is not None and attempt.remote_id == "Q7Remote"
     assert attempt.link_id is not None
-    stored = TrackingEvent.objects.filter(qid=message.qid)
-    assert list(stored.values_list("event", flat=True)) == ["routed"]
+    assert not TrackingEvent.objects.filter(qid=message.qid).exists()
     (row,) = search(TrackingQuery(qid=message.qid, event=["delivered"])).rows
     assert row.id == -attempt.id and row.event_id == attempt.event_id
     assert (row.recipient, row.remote_id, row.code) == ("bob@example.net", "Q7Remote", 250)
@@ -63,24 +68,36 @@ def test_a_delivery_is_one_attempt_row_and_no_tracking_row(sink_factory):
     assert row.detail["phase"] == "data" and "duration_ms" in row.detail
 
 
-def test_the_purge_moves_the_delivery_into_the_tracking_table_unchanged(sink_factory, settings):
+@pytest.mark.parametrize(
+    ("event", "criteria", "matches"),
+    [
+        ("delivered", {"remote_id": "Q7Remote"}, 2),  # both recipients' deliveries
+        ("routed", {"recipient": "carol@example.net"}, 1),  # a recipient's own routing
+    ],
+)
+def test_the_purge_moves_the_event_into_the_tracking_table_unchanged(
+    sink_factory, settings, event, criteria, matches
+):
     message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
-    before = {r.event_id: fields(r) for r in history(qid=message.qid, event="delivered")}
+    before = {r.event_id: fields(r) for r in history(qid=message.qid, event=event)}
     assert len(before) == 2
     clock.advance(settings.MAILRELAY_COMPLETED_RETENTION + timedelta(minutes=1))
     sweep()
     assert not Message.objects.filter(pk=message.pk).exists()
     assert not Attempt.objects.filter(message_id=message.pk).exists()
-    after = TrackingEvent.objects.filter(qid=message.qid, event="delivered")
+    assert not Recipient.objects.filter(message_id=message.pk).exists()
+    after = TrackingEvent.objects.filter(qid=message.qid, event=event)
     assert {r.event_id: fields(r) for r in after} == before
     assert all(r.id > 0 for r in after)
-    # Found once, now from the table.
-    assert len(search(parse_query({"remote_id": "Q7Remote"})).rows) == 2
+    # Found as often as before, now from the table.
+    found = search(parse_query(criteria | {"event": event})).rows
+    assert len(found) == matches and all(r.id > 0 for r in found)
 
 
 def test_the_purge_keeps_no_delivery_older_than_the_tracking_retention(sink_factory, settings):
     message = delivered_message(sink_factory, "bob@example.net")
     Message.objects.filter(pk=message.pk).update(event_id=None)  # the delivery alone
+    Recipient.objects.filter(message=message).update(routed_at=None)
     settings.MAILRELAY_TRACKING_RETENTION = timedelta(hours=1)
     clock.advance(settings.MAILRELAY_COMPLETED_RETENTION + timedelta(minutes=1))
     assert live.archive([message.pk]) == 0
@@ -104,6 +121,12 @@ def test_the_purge_keeps_no_delivery_older_than_the_tracking_retention(sink_fact
         ("received", {"message_id": "<h1@example.org>"}),
         ("received", {"event": "received,routed"}),
         ("received", {"since": "1h"}),
+        ("routed", {"sender": "ann@EXAMPLE.org"}),
+        ("routed", {"recipient": "BOB@example.net"}),
+        ("routed", {"message_id": "h1@example.org"}),
+        ("routed", {"message_id": "<h1@example.org>"}),
+        ("routed", {"event": "routed,received"}),
+        ("routed", {"since": "1h"}),
     ],
 )
 def test_every_criterion_finds_an_event_of_a_message_in_the_store(sink_factory, event, criteria):
@@ -127,6 +150,12 @@ def test_every_criterion_finds_an_event_of_a_message_in_the_store(sink_factory, 
         ("received", {"remote_id": "Q7Remote"}),  # an arrival has no remote queue id
         ("received", {"event": "delivered"}),
         ("received", {"until": "1h"}),
+        ("routed", {"sender": "ann@example.or"}),
+        ("routed", {"recipient": "bob@example.ne"}),
+        ("routed", {"message_id": "h1@example.or"}),
+        ("routed", {"remote_id": "Q7Remote"}),  # a routing has no remote queue id
+        ("routed", {"event": "received"}),
+        ("routed", {"until": "1h"}),
     ],
 )
 def test_a_criterion_it_does_not_meet_leaves_the_event_out(sink_factory, event, criteria):
@@ -156,6 +185,7 @@ def test_an_attempt_recorded_beside_its_tracking_row_is_not_shown_twice(sink_fac
     message = delivered_message(sink_factory, "bob@example.net")
     Attempt.objects.filter(message=message).update(event_id=None)
     Message.objects.filter(pk=message.pk).update(event_id=None)  # the delivery alone
+    Recipient.objects.filter(message=message).update(routed_at=None)
     assert not search(TrackingQuery(qid=message.qid, event=["delivered"])).rows
     assert live.archive([message.pk]) == 0
 
@@ -173,8 +203,6 @@ def grow_store(message: Message, n: int) -> None:
     """``n`` more delivered messages like ``message`` (a recipient and a delivery
     each, their own sender, Message-ID, address and remote id), then ANALYZE:
     the planner's view of a store a day of mail fills."""
-    from queues.models import Recipient
-
     g = "substr(m.qid, 2)"
     with connection.cursor() as cur:
         cur.execute(
@@ -196,7 +224,11 @@ def grow_store(message: Message, n: int) -> None:
             _copy(
                 Recipient,
                 "queues_recipient s, queues_message m",
-                {"message_id": "m.id", "address": f"'r' || {g} || '@example.net'"},
+                {
+                    "message_id": "m.id",
+                    "address": f"'r' || {g} || '@example.net'",
+                    "routed_at": "m.received_at",
+                },
                 "s.message_id = %s AND m.qid LIKE 'G%%'",
             ),
             [message.pk],
@@ -300,6 +332,7 @@ def test_the_purge_moves_the_arrival_into_the_tracking_table_unchanged(sink_fact
 def test_the_purge_keeps_no_arrival_older_than_the_tracking_retention(sink_factory, settings):
     message = delivered_message(sink_factory, "bob@example.net")
     Attempt.objects.filter(message=message).update(event_id=None)  # the arrival alone
+    Recipient.objects.filter(message=message).update(routed_at=None)
     settings.MAILRELAY_TRACKING_RETENTION = timedelta(hours=1)
     clock.advance(timedelta(hours=2))
     assert not search(TrackingQuery(qid=message.qid, event=["received"])).rows
@@ -319,11 +352,102 @@ def test_a_message_stored_before_its_event_id_has_its_received_row_written_once(
     assert [r.id for r in search(TrackingQuery(qid=message.qid, event=["received"])).rows] == [
         stored.id
     ]
-    assert live.archive([message.pk]) == 1  # its delivery only
+    assert live.archive([message.pk]) == 2  # its routing and its delivery
+
+
+# --- a routing is its recipient (migration queues/0017) ---------------------
+
+
+def test_a_routing_is_its_recipient_and_no_tracking_row(sink_factory):
+    message = delivered_message(sink_factory, "bob@example.net", "carol@example.net")
+    assert not TrackingEvent.objects.filter(qid=message.qid, event="routed").exists()
+    rows = {r.recipient: r for r in search(TrackingQuery(qid=message.qid, event=["routed"])).rows}
+    assert sorted(rows) == ["bob@example.net", "carol@example.net"]
+    for recipient in Recipient.objects.filter(message=message):
+        row = rows[recipient.address]
+        assert row.id == recipient.pk - live.ROUTING_OFFSET
+        assert row.at == recipient.routed_at and row.message_pk == message.pk
+        assert row.event_id == record.routing_event_id(recipient.pk, recipient.routed_at)
+        assert (row.queue, row.next_hop) == ("example.net", recipient.routed_link.name)
+        assert recipient.routed_queue_id == recipient.queue_id
+        assert (row.qid, row.sender, row.message_id) == (
+            message.qid,
+            "Ann@Example.org",
+            "<h1@example.org>",
+        )
+    # Each recipient's own: found by its address, not by the other's.
+    found = search(TrackingQuery(recipient="CAROL@example.net", event=["routed"])).rows
+    assert [r.recipient for r in found] == ["carol@example.net"]
+
+
+def test_a_routing_event_id_is_a_version_8_uuid_of_the_recipient_and_the_time():
+    at = clock.now()
+    one = record.routing_event_id(7, at)
+    assert (one.version, one.variant) == (8, uuid.RFC_4122)
+    assert one == record.routing_event_id(7, at)
+    assert one != record.routing_event_id(8, at)
+    assert one != record.routing_event_id(7, at + timedelta(microseconds=1))
+
+
+def test_the_routed_webhook_carries_the_routings_event_id(sink_factory, webhook_endpoint):
+    webhook_endpoint("routed")
+    message = delivered_message(sink_factory, "bob@example.net")
+    (hook,) = WebhookDelivery.objects.filter(event="routed")
+    (row,) = search(TrackingQuery(qid=message.qid, event=["routed"])).rows
+    assert hook.event_id == row.event_id
+    assert f'"next_hop":"{row.next_hop}"' in hook.body and '"queue":"example.net"' in hook.body
+
+
+def test_a_routing_shows_its_routes_link_through_an_operators_reroute(sink_factory):
+    message = delivered_message(sink_factory, "bob@example.net")
+    (before,) = search(TrackingQuery(qid=message.qid, event=["routed"])).rows
+    queue = Queue.objects.get(name="example.net")
+    reroute.start(queue, clock.now(), to="[127.0.0.9]:25", until=None, by="ops")
+    (after,) = search(TrackingQuery(qid=message.qid, event=["routed"])).rows
+    assert after.next_hop == before.next_hop != Queue.objects.get(pk=queue.pk).link.name
+
+
+def test_routing_again_moves_the_previous_routing_into_the_tracking_table(sink_factory):
+    sink_factory("127.0.0.2", rcpt_tempfail={"slow@example.net": 1})
+    message = accept("slow@example.net", sender="Ann@Example.org", body=BODY)
+    drain()
+    (first,) = history(qid=message.qid, event="routed")
+    assert first.id < 0
+    # Waiting in its queue, not for the categorizer: a placement would leave it.
+    rids = list(Recipient.objects.filter(message=message).values_list("id", flat=True))
+    assert live.archive_routings(rids) == 0
+    clock.advance(timedelta(minutes=1))
+    assert Recipient.objects.filter(message=message).resubmit(clock.now()) == 1
+    drain()
+    (moved,) = TrackingEvent.objects.filter(qid=message.qid, event="routed")
+    assert moved.id > 0 and fields(moved) == fields(first)
+    events = [r.event for r in search(TrackingQuery(qid=message.qid)).rows]
+    assert events == ["delivered", "routed", "deferred", "routed", "received"]
+    second = search(TrackingQuery(qid=message.qid, event=["routed"])).rows[0]
+    assert second.id < 0 and second.at > first.at and second.event_id != first.event_id
+
+
+def test_the_first_categorization_reads_no_previous_routing(sink_factory):
+    """The categorizer looks for routings to move only for messages
+    categorized again: a new message's batch costs no statement for it."""
+    sink_factory("127.0.0.2")
+    accept("bob@example.net", body=BODY)
+    with CaptureQueriesContext(connection) as queries:
+        drain()
+    assert not [q for q in queries if '"routed_at" IS NOT NULL' in q["sql"]]
+
+
+def test_a_recipient_routed_before_its_columns_is_not_read_as_a_routing(sink_factory):
+    """Recipients routed before migration queues/0017 have their rows written."""
+    message = delivered_message(sink_factory, "bob@example.net")
+    Recipient.objects.filter(message=message).update(routed_at=None)
+    assert not search(TrackingQuery(qid=message.qid, event=["routed"])).rows
+    assert live.archive([message.pk]) == 2  # its arrival and its delivery
 
 
 DELIVERIES = (delivery_queryset, live.VALUES)
 ARRIVALS = (arrival_queryset, live.ARRIVAL_VALUES)
+ROUTINGS = (routing_queryset, live.ROUTING_VALUES)
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's plans")
@@ -338,6 +462,10 @@ ARRIVALS = (arrival_queryset, live.ARRIVAL_VALUES)
         (ARRIVALS, {"recipient": "bob@example.net"}, "recipient_address_trgm"),
         (ARRIVALS, {"sender": "ann@example.org"}, "messagetext_mail_from_trgm"),
         (ARRIVALS, {"message_id": "h1@example.org"}, "messagetext_msgid_trgm"),
+        (ROUTINGS, {}, "recipient_routed"),
+        (ROUTINGS, {"recipient": "bob@example.net"}, "recipient_address_trgm"),
+        (ROUTINGS, {"sender": "ann@example.org"}, "messagetext_mail_from_trgm"),
+        (ROUTINGS, {"message_id": "h1@example.org"}, "messagetext_msgid_trgm"),
     ],
 )
 def test_the_search_of_the_stores_events_reads_them_by_an_index(

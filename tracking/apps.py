@@ -16,6 +16,9 @@ class TrackingConfig(AppConfig):
         from queues.models import AuditEntry
         from tracking import history, record
 
+        signals.recipients_rerouting.connect(
+            history.on_rerouting, dispatch_uid="tracking.rerouting"
+        )
         signals.recipients_placed.connect(record.on_placed, dispatch_uid="tracking.placed")
         signals.attempts_recorded.connect(
             record.on_attempts_recorded, dispatch_uid="tracking.attempted"

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import current_app
@@ -30,7 +30,7 @@ from django.db import DatabaseError, connection, transaction
 from delivery.smtp.outcome import remote_queue_id
 from queues import counters
 from queues.database import insert_json, json_payload, json_rows
-from queues.lib import clock, scrub_nul
+from queues.lib import clock, first_categorization, scrub_nul
 from queues.models import AuditEntry, DeliveryType, Link, Message, Queue, RecipientState
 from queues.signals import PLACED_FACTS
 from tracking import eventlog, events
@@ -85,8 +85,9 @@ class Row:
     actor: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     # Not a column: False for an event that is a row of the store already (a
-    # delivery is its attempt, an arrival its message: tracking.history reads
-    # it there while its message lives and the purge moves it here). Its
+    # delivery is its attempt, an arrival its message, a routing its recipient:
+    # tracking.history reads it there while its message lives and moves it
+    # here when the message is purged or the recipient routed again). Its
     # webhooks and event-log line go out as any other's.
     stored: bool = True
 
@@ -469,15 +470,15 @@ def _message_fields(facts: Mapping[int, tuple[str, str, str]], mid: int) -> dict
     return {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
 
 
-def _received(message: Sequence[Any], common: dict[str, Any]) -> Row | None:
+def _received(fact: tuple, common: dict[str, Any]) -> Row | None:
     """The ``received`` event of a message (the rest of its PLACED_FACTS) at its
     first categorization, when it is due at its arrival; else None (once).
 
     An arrival is its message (Message.event_id: tracking.history reads it
     there); a message stored before migration queues/0016 has none, and its
     row is written."""
-    client, account, size, received_at, next_attempt_at, source, event_id = message
-    if next_attempt_at != received_at:
+    client, account, size, received_at, next_attempt_at, source, event_id = fact[6:]
+    if not first_categorization(received_at, next_attempt_at):
         return None
     arrival = {"event_id": event_id, "stored": False} if event_id is not None else {}
     return new(
@@ -492,15 +493,71 @@ def _received(message: Sequence[Any], common: dict[str, Any]) -> Row | None:
     )
 
 
+def routing_event_id(recipient_id: int, at: datetime) -> uuid.UUID:
+    """The id of a recipient's ``routed`` event, made of what its row keeps of
+    it (tracking.history): its id and the time, the same in its webhook, its
+    event-log line, the search and the table it moves to. An RFC 9562 version 8
+    UUID: the time in microseconds in its first 60 free bits, the id in its last
+    62."""
+    micros = (at - _EPOCH) // _MICROSECOND & (2**60 - 1)
+    return uuid.UUID(
+        int=(micros >> 12) << 80
+        | 0x8 << 76
+        | (micros & 0xFFF) << 64
+        | 0b10 << 62
+        | recipient_id & (2**62 - 1)
+    )
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def _routed(rid: int, address: str, placement: Any, now: datetime, common: dict) -> Row:
+    """A recipient's ``routed`` event: its row in the store (Recipient.routed_at)."""
+    return new(
+        events.ROUTED,
+        now,
+        event_id=routing_event_id(rid, now),
+        stored=False,
+        recipient=address,
+        queue=placement.route.queue_name,
+        next_hop=placement.route.link_name,
+        **common,
+    )
+
+
+def _unrouted(domain: str, address: str, placement: Any, now: datetime, common: dict) -> Row:
+    """A recipient the categorizer could not route: ``failed`` or ``deferred``."""
+    error = placement.error
+    code = 550 if error.permanent else 451
+    return new(
+        events.FAILED if error.permanent else events.DEFERRED,
+        now,
+        recipient=address,
+        host=domain,
+        code=code,
+        enhanced=error.enhanced,
+        reply=f"{code} {error.enhanced} {error.text}",
+        queue=(DeliveryType.DEAD_LETTER if error.permanent else DeliveryType.UNREACHABLE).label,
+        detail={"phase": "route"},
+        **common,
+    )
+
+
 def placed(
-    placements: Mapping[str, Any], now: datetime, facts: Mapping[int, tuple] | None = None
+    placements: Mapping[str, Any],
+    now: datetime,
+    facts: Mapping[int, tuple] | None = None,
+    placed_ids: Container[int] | None = None,
 ) -> None:
     """After the categorizer decided a batch (queues.signals.recipients_placed).
 
     ``placements`` maps a domain to its decision: ``recipient_ids`` and either
     ``route`` (queue_name, link_name) or ``error`` (permanent, enhanced, text).
     ``facts``: the PLACED_FACTS of the recipients by id, when the caller has
-    them (else one SELECT).
+    them (else one SELECT). ``placed_ids``: the routed recipients it placed
+    (None: all); a routing not placed is no event.
     """
     by_id: dict[int, tuple[str, Any]] = {}
     for domain, placement in placements.items():
@@ -516,44 +573,19 @@ def placed(
         recipients = list(Recipient.objects.filter(id__any=list(by_id)).values_list(*PLACED_FACTS))
     rows = []
     seen: set[int] = set()
-    for rid, address, mid, qid, sender, msgid, *message in recipients:
+    for fact in recipients:
+        rid, address, mid, qid, sender, msgid = fact[:6]
         common = {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
         if mid not in seen:
             seen.add(mid)
-            arrival = _received(message, common)
+            arrival = _received(fact, common)
             if arrival is not None:
                 rows.append(arrival)
         domain, placement = by_id[rid]
-        if placement.route is not None:
-            rows.append(
-                new(
-                    events.ROUTED,
-                    now,
-                    recipient=address,
-                    queue=placement.route.queue_name,
-                    next_hop=placement.route.link_name,
-                    **common,
-                )
-            )
-            continue
-        error = placement.error
-        code = 550 if error.permanent else 451
-        rows.append(
-            new(
-                events.FAILED if error.permanent else events.DEFERRED,
-                now,
-                recipient=address,
-                host=domain,
-                code=code,
-                enhanced=error.enhanced,
-                reply=f"{code} {error.enhanced} {error.text}",
-                queue=(
-                    DeliveryType.DEAD_LETTER if error.permanent else DeliveryType.UNREACHABLE
-                ).label,
-                detail={"phase": "route"},
-                **common,
-            )
-        )
+        if placement.route is None:
+            rows.append(_unrouted(domain, address, placement, now, common))
+        elif placed_ids is None or rid in placed_ids:
+            rows.append(_routed(rid, address, placement, now, common))
     write(rows)
 
 
@@ -657,7 +689,7 @@ def expired(recipients: list[Any], now: datetime, reason: str) -> None:
 
 def on_placed(sender: object, **kwargs: Any) -> None:
     """queues.signals.recipients_placed: ``placed``, and the routing failures counted."""
-    placed(kwargs["placements"], kwargs["now"], kwargs.get("facts"))
+    placed(kwargs["placements"], kwargs["now"], kwargs.get("facts"), kwargs.get("placed"))
     count_unroutable(kwargs["placements"])
 
 

@@ -1,9 +1,9 @@
 """Search of the tracking rows, shared by the UI, the API and ``manage.py track``.
 
 Each criterion is answered by an index of ``tracking_event`` (tracking.partitions),
-and, for the arrivals and deliveries of messages still in the store, by an
-index of the store's tables (``tracking.history``: an arrival is its message,
-a delivery its attempt):
+and, for the arrivals, routings and deliveries of messages still in the
+store, by an index of the store's tables (``tracking.history``: an arrival is
+its message, a routing its recipient, a delivery its attempt):
 sender and recipient (exact, any case), Message-ID (with or without its
 angle brackets), our queue id, the remote queue id, event kinds, and a time
 window; newest first, paged by a cursor on (at, id).
@@ -26,7 +26,7 @@ from queues.lib import clock, parse_duration
 from queues.models import Attempt, Message, Recipient
 from tracking import history
 from tracking.config import tracking_settings
-from tracking.events import DELIVERED, RECEIVED, TRACKING_EVENTS
+from tracking.events import DELIVERED, RECEIVED, ROUTED, TRACKING_EVENTS
 from tracking.models import TrackingEvent
 
 DEFAULT_LIMIT = 50
@@ -190,25 +190,15 @@ def search(query: TrackingQuery, limit: int = DEFAULT_LIMIT, cursor: str | None 
         # (at, id) < cursor, written so the at index bounds it.
         qs = qs.filter(at__lte=at).filter(Q(at__lt=at) | Q(id__lt=ident))
     rows = list(qs.order_by("-at", "-id")[: limit + 1])
-    # The arrivals and deliveries of messages still in the store are their
-    # messages and attempts (tracking.history): the newest of all, in one order.
-    live = arrivals(query, after, limit + 1) + deliveries(query, after, limit + 1)
+    # The arrivals, routings and deliveries of messages still in the store are
+    # their messages, recipients and attempts (tracking.history): the newest of
+    # all, in one order.
+    live = _live(query, after, limit + 1)
     if live:
         rows = sorted(rows + live, key=lambda r: (r.at, r.id), reverse=True)[: limit + 1]
     more = len(rows) > limit
     rows = rows[:limit]
     return Page(rows, encode_cursor(rows[-1]) if more and rows else None)
-
-
-def deliveries(
-    query: TrackingQuery, cursor: tuple[datetime, int] | None, limit: int
-) -> list[TrackingEvent]:
-    """The newest ``limit`` deliveries of messages still in the store that
-    ``query`` matches, after ``cursor`` (at, id), newest first."""
-    if query.event and DELIVERED not in query.event:
-        return []
-    rows = delivery_queryset(query, cursor).values(*history.VALUES)[:limit]
-    return [history.as_event(v) for v in rows]
 
 
 def delivery_queryset(
@@ -233,21 +223,9 @@ def delivery_queryset(
     if query.until:
         qs = qs.filter(started_at__lt=query.until)
     if cursor:
-        at, ident = cursor
         # (at, -id) < cursor: the attempt's id above the cursor's negated one.
-        qs = qs.filter(started_at__lte=at).filter(Q(started_at__lt=at) | Q(id__gt=-ident))
+        qs = _older(qs, "started_at", cursor[0], Q(id__gt=-cursor[1]))
     return qs.order_by("-started_at", "id")
-
-
-def arrivals(
-    query: TrackingQuery, cursor: tuple[datetime, int] | None, limit: int
-) -> list[TrackingEvent]:
-    """The newest ``limit`` arrivals of messages still in the store that
-    ``query`` matches, after ``cursor`` (at, id), newest first."""
-    if (query.event and RECEIVED not in query.event) or query.remote_id:
-        return []  # an arrival has no remote queue id
-    rows = arrival_queryset(query, cursor).values(*history.ARRIVAL_VALUES)[:limit]
-    return [history.as_arrival(v) for v in rows]
 
 
 def arrival_queryset(
@@ -271,13 +249,61 @@ def arrival_queryset(
         qs = qs.filter(id__in=own)
     if query.until:
         qs = qs.filter(received_at__lt=query.until)
-    if cursor:
-        at, ident = cursor
-        # (at, id - ARRIVAL_OFFSET) < cursor
-        qs = qs.filter(received_at__lte=at).filter(
-            Q(received_at__lt=at) | Q(id__lt=ident + history.ARRIVAL_OFFSET)
-        )
+    if cursor:  # (at, id - ARRIVAL_OFFSET) < cursor
+        qs = _older(qs, "received_at", cursor[0], Q(id__lt=cursor[1] + history.ARRIVAL_OFFSET))
     return qs.order_by("-received_at", "-id")
+
+
+def routing_queryset(
+    query: TrackingQuery, cursor: tuple[datetime, int] | None
+) -> QuerySet[Recipient]:
+    """``search``'s recipients, in its order, none older than the tracking
+    retention. Each criterion by an index: the message's as for the
+    deliveries, the address by ``recipient_address_trgm``, the time and the
+    order by ``recipient_routed``."""
+    since = clock.now() - tracking_settings().retention
+    qs = history.routings().filter(routed_at__gte=max(since, query.since or since))
+    qs = _by_message(qs, query, "message__")
+    if query.recipient:
+        qs = qs.alias(rcpt_lower=Lower("address")).filter(
+            address__ticontains=query.recipient, rcpt_lower=query.recipient.lower()
+        )
+    if query.until:
+        qs = qs.filter(routed_at__lt=query.until)
+    if cursor:  # (at, id - ROUTING_OFFSET) < cursor
+        qs = _older(qs, "routed_at", cursor[0], Q(id__lt=cursor[1] + history.ROUTING_OFFSET))
+    return qs.order_by("-routed_at", "-id")
+
+
+def _older(qs: QuerySet, at_field: str, at: datetime, earlier_id: Q) -> QuerySet:
+    """``qs``'s rows before the cursor: before its time, or at it with an id
+    ``earlier_id`` says is after it in the search's order (written so the time's
+    index bounds it)."""
+    return qs.filter(**{f"{at_field}__lte": at}).filter(Q(**{f"{at_field}__lt": at}) | earlier_id)
+
+
+# Each kind of event read from the store: (event, its queryset, the values a
+# row is made of, how).
+_SOURCES = (
+    (RECEIVED, arrival_queryset, history.ARRIVAL_VALUES, history.as_arrival),
+    (ROUTED, routing_queryset, history.ROUTING_VALUES, history.as_routing),
+    (DELIVERED, delivery_queryset, history.VALUES, history.as_event),
+)
+
+
+def _live(
+    query: TrackingQuery, cursor: tuple[datetime, int] | None, limit: int
+) -> list[TrackingEvent]:
+    """The newest ``limit`` arrivals, routings and deliveries each of messages
+    still in the store that ``query`` matches, after ``cursor`` (at, id)."""
+    rows: list[TrackingEvent] = []
+    for event, queryset, values, as_row in _SOURCES:
+        if query.event and event not in query.event:
+            continue
+        if query.remote_id and event != DELIVERED:
+            continue  # only a delivery has a remote queue id
+        rows += [as_row(v) for v in queryset(query, cursor).values(*values)[:limit]]
+    return rows
 
 
 def _message_ids(message_id: str) -> list[str]:

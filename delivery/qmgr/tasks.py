@@ -58,7 +58,7 @@ from queues.bounce import dsn
 from queues.bounce.notify import notify
 from queues.config import store_settings
 from queues.database import drop_connection, is_outage, waits_for_database
-from queues.lib import clock
+from queues.lib import clock, first_categorization
 from queues.models import (
     Attempt,
     AttemptOutcome,
@@ -71,7 +71,7 @@ from queues.models import (
     RecipientState,
 )
 from queues.placement import park_poison, special_queue
-from queues.signals import PLACED_FACTS, link_work, recipients_placed
+from queues.signals import PLACED_FACTS, link_work, recipients_placed, recipients_rerouting
 from queues.transitions import Claim, while_connected
 
 log = logging.getLogger(__name__)
@@ -307,6 +307,7 @@ class RouteQueue(NamedTuple):
     queue_id: int
     link_id: int | None
     suspended: bool
+    route_link_id: int  # the route's link (link_id is an operator's re-route's, if any)
 
 
 # Both rows of a route as they stand, in one SELECT (the usual case: nothing to
@@ -334,9 +335,10 @@ def placement_for_route(
                 stored = json.loads(stored)
             settled = reroute_from == link_id if reroute_to else queue_link == link_id
             if stored == hosts and settled:
-                return RouteQueue(qid, queue_link, suspended)
+                return RouteQueue(qid, queue_link, suspended, link_id)
     queue = queue_for_route(delivery_type, queue_name, link_name, hosts, now)
-    return RouteQueue(queue.pk, queue.link_id, queue.suspended)
+    route_link = queue.reroute_from_id if queue.reroute_to else queue.link_id
+    return RouteQueue(queue.pk, queue.link_id, queue.suspended, route_link)
 
 
 def _apply(
@@ -358,7 +360,7 @@ def _apply(
     links: set[int] = set()
     failed: list[Attempt] = []
     failed_ids: list[int] = []
-    routed: list[tuple[int, int]] = []  # (recipient, queue): placed in one statement
+    routed: list[tuple[int, int, int]] = []  # (recipient, queue, link): one statement
     for domain, placement in placements.items():
         if not placement.recipient_ids:
             continue
@@ -375,16 +377,22 @@ def _apply(
                 [hop.as_json() for hop in route.hosts],
                 now,
             )
-            routed.extend((rid, queue.queue_id) for rid in placement.recipient_ids)
+            routed.extend(
+                (rid, queue.queue_id, queue.route_link_id) for rid in placement.recipient_ids
+            )
             if not queue.suspended and queue.link_id:
                 links.add(queue.link_id)
             continue
         failed_now, attempts = _unroutable(domain, placement, rows, now, special)
         failed_ids.extend(failed_now)
         failed.extend(attempts)
-    Recipient.objects.place_many(routed, now)
-    # Tracking's received / routed rows, one INSERT per batch, in this transaction.
-    recipients_placed.send(None, placements=placements, now=now, facts=facts)
+    again = _routed_before([rid for rid, _, _ in routed], facts)
+    if again:  # their previous routing is their row until this replaces it
+        recipients_rerouting.send(None, recipient_ids=again)
+    placed = Recipient.objects.place_many(routed, now)
+    # Tracking's events of the batch (webhooks, event-log lines; the routings
+    # and arrivals are the store's rows), in this transaction.
+    recipients_placed.send(None, placements=placements, now=now, facts=facts, placed=placed)
     if failed:
         Attempt.objects.bulk_create(failed)
         _notify_failures(failed_ids, now)
@@ -396,6 +404,23 @@ def _apply(
         # routed recipients wait in a queue (no query per batch otherwise).
         Message.objects.filter(id__any={a.message_id for a in failed}).finish(now)
     return links
+
+
+_RECEIVED_AT = PLACED_FACTS.index("message__received_at")
+_DUE_AT = PLACED_FACTS.index("message__next_attempt_at")
+
+
+def _routed_before(recipient_ids: list[int], facts: dict[int, tuple] | None) -> list[int]:
+    """Those of ``recipient_ids`` that may have a routing already: all but the
+    recipients of messages on their first categorization."""
+    if facts is None:
+        return recipient_ids
+    return [
+        rid
+        for rid in recipient_ids
+        if rid not in facts
+        or not first_categorization(facts[rid][_RECEIVED_AT], facts[rid][_DUE_AT])
+    ]
 
 
 def _notify_failures(recipient_ids: list[int], now) -> None:

@@ -330,31 +330,51 @@ class RecipientFlow(models.QuerySet):
 
     # --- the categorizer's placements ----------------------------------------------
 
-    def place_many(self, placements: Sequence[tuple[int, int]], now: datetime) -> int:
-        """``place`` for (recipient id, queue id) pairs of several queues: one
-        statement on PostgreSQL."""
+    def place_many(self, placements: Sequence[tuple[int, int, int]], now: datetime) -> set[int]:
+        """Submitted recipients routed, for (recipient id, queue id, link id)
+        triples of several queues: waiting in their delivery queue, due now, their
+        routing (``routed_at``, ``routed_queue``, ``routed_link``: their ``routed``
+        event) written. Rows an expiry or an operator finished meanwhile are left
+        alone. Returns the ids placed; one statement on PostgreSQL."""
         if not placements:
-            return 0
+            return set()
         if postgresql():
             with connection.cursor() as cur:
                 cur.execute(
                     "UPDATE queues_recipient AS r SET queue_id = v.queue_id, state = %s, "
-                    "next_attempt_at = %s "
-                    "FROM unnest(%s::bigint[], %s::bigint[]) AS v(id, queue_id) "
-                    "WHERE r.id = v.id AND r.state = %s",
+                    "next_attempt_at = %s, routed_at = %s, routed_queue_id = v.queue_id, "
+                    "routed_link_id = v.link_id "
+                    "FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[]) "
+                    "AS v(id, queue_id, link_id) "
+                    "WHERE r.id = v.id AND r.state = %s RETURNING r.id",
                     [
                         RecipientState.QUEUED,
                         now,
-                        [rid for rid, _ in placements],
-                        [qid for _, qid in placements],
+                        now,
+                        [rid for rid, _, _ in placements],
+                        [qid for _, qid, _ in placements],
+                        [lid for _, _, lid in placements],
                         RecipientState.SUBMITTED,
                     ],
                 )
-                return cur.rowcount
-        by_queue: dict[int, list[int]] = {}
-        for rid, qid in placements:
-            by_queue.setdefault(qid, []).append(rid)
-        return sum(self.filter(id__in=rids).place(qid, now) for qid, rids in by_queue.items())
+                return {rid for (rid,) in cur.fetchall()}
+        by_route: dict[tuple[int, int], list[int]] = {}
+        for rid, qid, lid in placements:
+            by_route.setdefault((qid, lid), []).append(rid)
+        placed: set[int] = set()
+        for (qid, lid), rids in by_route.items():
+            rows = self.filter(id__in=rids, state=RecipientState.SUBMITTED)
+            ids = set(rows.select_for_update().values_list("id", flat=True))
+            self.filter(id__in=ids).update(
+                queue_id=qid,
+                state=RecipientState.QUEUED,
+                next_attempt_at=now,
+                routed_at=now,
+                routed_queue_id=qid,
+                routed_link_id=lid,
+            )
+            placed |= ids
+        return placed
 
     # --- delivery -------------------------------------------------------------------
 
@@ -443,13 +463,6 @@ class RecipientFlow(models.QuerySet):
         """Claimed rows a round never tried (it stopped early): waiting again, due now."""
         return self.filter(state=RecipientState.ACTIVE).update(
             state=RecipientState.QUEUED, lease_owner="", lease_until=None, next_attempt_at=now
-        )
-
-    def place(self, queue_id: int, now: datetime) -> int:
-        """Submitted recipients routed: waiting in their delivery queue, due now
-        (rows an expiry or an operator finished meanwhile are left alone)."""
-        return self.filter(state=RecipientState.SUBMITTED).update(
-            queue_id=queue_id, state=RecipientState.QUEUED, next_attempt_at=now
         )
 
 

@@ -1,13 +1,24 @@
 """The tracking history as its readers see it (tracking.search): the rows of
-``tracking_event`` and the arrivals and deliveries of messages still in the
-store, which are their messages and attempts (tracking.history). Tests read a
+``tracking_event`` and the arrivals, routings and deliveries of messages
+still in the store, which are their messages, recipients and attempts
+(tracking.history). Tests read a
 message's life through it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tracking.history import ARRIVAL_VALUES, VALUES, arrivals, as_arrival, as_event, deliveries
+from tracking.history import (
+    ARRIVAL_VALUES,
+    ROUTING_VALUES,
+    VALUES,
+    arrivals,
+    as_arrival,
+    as_event,
+    as_routing,
+    deliveries,
+    routings,
+)
 from tracking.models import TrackingEvent
 
 
@@ -29,8 +40,10 @@ def history(**filters: Any) -> list[TrackingEvent]:
     """The events matching ``filters`` (``field=value``, ``field__in=values``),
     oldest first, by (at, id) as the search orders them."""
     stored = list(TrackingEvent.objects.filter(**filters))
-    live = [as_arrival(v) for v in arrivals().values(*ARRIVAL_VALUES)] + [
-        as_event(v) for v in deliveries().values(*VALUES)
-    ]
+    live = (
+        [as_arrival(v) for v in arrivals().values(*ARRIVAL_VALUES)]
+        + [as_routing(v) for v in routings().values(*ROUTING_VALUES)]
+        + [as_event(v) for v in deliveries().values(*VALUES)]
+    )
     rows = stored + [row for row in live if _matches(row, filters)]
     return sorted(rows, key=lambda r: (r.at, r.id))
