@@ -156,12 +156,13 @@ def test_a_recipient_taken_back_before_the_early_record_keeps_its_new_owner(rela
 
 @pytest.mark.django_db(transaction=True)
 def test_a_tracking_write_that_fails_undoes_the_early_record_and_the_round_records_it(
-    relay, sink_factory, monkeypatch
+    relay, sink_factory, monkeypatch, webhook_endpoint
 ):
     """What tracking writes beside a delivery (its webhooks' outbox rows: the
     delivery itself is its attempt) goes in the early record's transaction
     without a savepoint of its own: when it fails, the early record rolls back
     whole and the round's final record writes those deliveries — once each."""
+    webhook_endpoint("delivered")
     sink = sink_factory("127.0.0.2")
     ids = [accept(IncomingRecipient(f"u{i}@example.net")).pk for i in range(3)]
     link = routed()

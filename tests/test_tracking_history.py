@@ -445,6 +445,25 @@ def test_a_recipient_routed_before_its_columns_is_not_read_as_a_routing(sink_fac
     assert live.archive([message.pk]) == 2  # its arrival and its delivery
 
 
+@pytest.mark.parametrize(
+    ("logged", "built"),
+    [(False, []), (True, ["received", "routed", "delivered"])],
+)
+def test_events_the_store_holds_are_built_only_when_something_hears_them(
+    sink_factory, monkeypatch, settings, tmp_path, logged, built
+):
+    """No webhook endpoint and no event log: an arrival, a routing and a
+    delivery go nowhere but the store's rows, and no tracking row is made."""
+    settings.MAILRELAY_EVENT_LOG = str(tmp_path / "events.jsonl") if logged else ""
+    record.invalidate()  # no endpoint
+    made, real = [], record.new
+    monkeypatch.setattr(
+        record, "new", lambda event, at, **f: made.append(event) or real(event, at, **f)
+    )
+    delivered_message(sink_factory, "bob@example.net")
+    assert made == built
+
+
 DELIVERIES = (delivery_queryset, live.VALUES)
 ARRIVALS = (arrival_queryset, live.ARRIVAL_VALUES)
 ROUTINGS = (routing_queryset, live.ROUTING_VALUES)

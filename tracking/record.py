@@ -253,6 +253,13 @@ def endpoints() -> list[tuple[int, frozenset[str]]]:
     return value
 
 
+def heard() -> bool:
+    """Whether an event goes anywhere but the store (an enabled webhook endpoint,
+    the event log): else one that is a store's row (``Row.stored`` False) is
+    not even built."""
+    return bool(endpoints()) or bool(eventlog.target())
+
+
 def invalidate() -> None:
     """Read the endpoints again at the next event (an endpoint changed in this process)."""
     global _config
@@ -470,15 +477,17 @@ def _message_fields(facts: Mapping[int, tuple[str, str, str]], mid: int) -> dict
     return {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
 
 
-def _received(fact: tuple, common: dict[str, Any]) -> Row | None:
+def _received(fact: tuple, common: dict[str, Any], heard: bool) -> Row | None:
     """The ``received`` event of a message (the rest of its PLACED_FACTS) at its
     first categorization, when it is due at its arrival; else None (once).
 
     An arrival is its message (Message.event_id: tracking.history reads it
-    there); a message stored before migration queues/0016 has none, and its
-    row is written."""
+    there): None too when nothing ``heard`` it; a message stored before
+    migration queues/0016 has none, and its row is written."""
     client, account, size, received_at, next_attempt_at, source, event_id = fact[6:]
     if not first_categorization(received_at, next_attempt_at):
+        return None
+    if event_id is not None and not heard:
         return None
     arrival = {"event_id": event_id, "stored": False} if event_id is not None else {}
     return new(
@@ -499,7 +508,7 @@ def routing_event_id(recipient_id: int, at: datetime) -> uuid.UUID:
     event-log line, the search and the table it moves to. An RFC 9562 version 8
     UUID: the time in microseconds in its first 60 free bits, the id in its last
     62."""
-    micros = (at - _EPOCH) // _MICROSECOND & (2**60 - 1)
+    micros = (at - _EPOCH) // timedelta(microseconds=1) & (2**60 - 1)
     return uuid.UUID(
         int=(micros >> 12) << 80
         | 0x8 << 76
@@ -510,7 +519,6 @@ def routing_event_id(recipient_id: int, at: datetime) -> uuid.UUID:
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_MICROSECOND = timedelta(microseconds=1)
 
 
 def _routed(rid: int, address: str, placement: Any, now: datetime, common: dict) -> Row:
@@ -573,18 +581,19 @@ def placed(
         recipients = list(Recipient.objects.filter(id__any=list(by_id)).values_list(*PLACED_FACTS))
     rows = []
     seen: set[int] = set()
+    listened = heard()  # else the arrivals and routings, rows of the store, go nowhere
     for fact in recipients:
         rid, address, mid, qid, sender, msgid = fact[:6]
         common = {"message_pk": mid, "qid": qid, "sender": sender, "message_id": msgid}
         if mid not in seen:
             seen.add(mid)
-            arrival = _received(fact, common)
+            arrival = _received(fact, common, listened)
             if arrival is not None:
                 rows.append(arrival)
         domain, placement = by_id[rid]
         if placement.route is None:
             rows.append(_unrouted(domain, address, placement, now, common))
-        elif placed_ids is None or rid in placed_ids:
+        elif listened and (placed_ids is None or rid in placed_ids):
             rows.append(_routed(rid, address, placement, now, common))
     write(rows)
 
@@ -623,6 +632,8 @@ def attempted(
     Message-ID by message id when the caller has them (else one SELECT);
     ``own_savepoint`` False: a failed write may roll the caller's transaction
     back (it records another way then; tracking.record.write)."""
+    if not heard():  # a delivery is its attempt: only the others are rows to write
+        attempts = [a for a in attempts if a.outcome != "delivered"]
     if not attempts:
         return
     if facts is None or any(a.message_id not in facts for a in attempts):
