@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncIterator
+import numbers
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
@@ -34,6 +35,11 @@ ATTRIBUTE_TYPES: dict[str, type] = {
     "SMTP._reader": asyncio.StreamReader,
     "SMTP._writer": asyncio.StreamWriter,
     "SMTP._timeout_handle": asyncio.TimerHandle,
+    "SMTP._timeout_duration": numbers.Real,
+    "SMTP._proxy_timeout": type(None),
+    "SMTP._enforce_call_limit": bool,
+    "SMTP._tls_handshake_okay": bool,
+    "SMTP._smtp_methods": Mapping,
     "SMTP._original_transport": type(None),
     "SMTP._reader._buffer": bytearray,
 }
@@ -322,5 +328,117 @@ def test_options_the_fast_init_does_not_know_go_through_aiosmtpd():
             session, Handler(), loop=asyncio.get_running_loop(), command_call_limit=7
         )
         assert session._enforce_call_limit is True
+
+    run(scenario())
+
+
+# ------------------------------------------------- the command loop and the idle timer
+
+
+class Booms(Probe):
+    """A command whose method raises: the loop answers with the handler's reply."""
+
+    async def smtp_BOOM(self, arg: str | None) -> None:  # noqa: N802 - an SMTP command
+        raise ValueError("boom")
+
+
+class AiosmtpdLoop(Booms):
+    """The same session on aiosmtpd's own command loop."""
+
+    async def _handle_client(self) -> None:
+        await SMTP._handle_client(self)
+
+
+# Lines whose replies the loops must agree on: commands in any case, an empty
+# line, lines over the command limit and over the reader's limit, bytes that
+# are not ASCII in the command and in an argument, a command that raises, and
+# unknown commands until the budget closes the session.
+SCRIPT = [
+    b"NOOP",
+    b"noop   ",
+    b"",
+    b"HELO client.test",
+    b"NOOP " + b"x" * 600,
+    b"NOOP " + b"y" * 3000,
+    b"\xffOOP",
+    b"MAIL FROM:<\xc3\xa9@example.org>",
+    b"BOOM",
+    b"EHLO client.test",
+    b"RSET",
+    b"FOO",
+    b"BAR x",
+    b"FOO",
+    b"FOO",
+    b"FOO",
+    b"NOOP",
+]
+
+
+async def _transcript(session_class: type[Probe]) -> list[bytes]:
+    """The replies to SCRIPT, sent line by line, until the session closes."""
+
+    def factory() -> Probe:
+        return session_class(Handler())
+
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    replies = [await reader.readline()]
+    try:
+        for line in SCRIPT:
+            writer.write(line + b"\r\n")
+            reply = await reader.readline()
+            while reply[3:4] == b"-":
+                replies.append(reply)
+                reply = await reader.readline()
+            replies.append(reply)
+            if not reply:
+                break
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
+    return replies
+
+
+def test_the_lean_command_loop_answers_every_line_as_aiosmtpds_own():
+    async def scenario() -> tuple[list[bytes], list[bytes]]:
+        return await _transcript(Booms), await _transcript(AiosmtpdLoop)
+
+    ours, theirs = run(scenario())
+    assert ours == theirs
+    assert b"502 5.5.1 Too many unrecognized commands, goodbye.\r\n" in ours
+    assert ours[-1] == b""  # closed after the budget, as aiosmtpd closes it
+    assert b"500 Error: (ValueError) boom\r\n" in ours
+
+
+def test_a_command_moves_the_idle_deadline_without_a_new_timer():
+    async def scenario() -> None:
+        async with connected(timeout=30) as (session, reader, writer):
+            assert (await reader.readline()).startswith(b"220 ")
+            armed = session._timeout_handle
+            deadline = session._idle_at
+            writer.write(b"NOOP\r\n")
+            assert (await reader.readline()).startswith(b"250")
+            assert session._timeout_handle is armed  # no timer made and cancelled per command
+            assert session._idle_at > deadline
+
+    run(scenario())
+
+
+def test_a_session_busy_past_its_timeout_stays_and_closes_a_timeout_after_its_last_command():
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        async with connected(timeout=0.3) as (session, reader, writer):
+            assert (await reader.readline()).startswith(b"220 ")
+            started = last = loop.time()
+            while last - started < 0.8:  # well past the timeout, never idle for it
+                await asyncio.sleep(0.1)
+                writer.write(b"NOOP\r\n")
+                assert (await reader.readline()).startswith(b"250")
+                last = loop.time()
+            assert await reader.read() == b""  # then idle: closed by the idle timer
+            idle = loop.time() - last
+            assert 0.3 - 0.05 <= idle < 0.3 + 0.5, idle
+            assert session.idle_closes == 1
 
     run(scenario())

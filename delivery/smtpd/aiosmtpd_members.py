@@ -60,12 +60,17 @@ RELIED_ON: tuple[Member, ...] = (
     Member("SMTP", "_writer", Kind.ATTRIBUTE, "write_raw / drain_writes"),
     Member("SMTP", "_timeout_handle", Kind.ATTRIBUTE, "move_idle_timer"),
     Member("SMTP", "_original_transport", Kind.ATTRIBUTE, "starttls_begun"),
-    Member("SMTP", "_reset_timeout", Kind.METHOD, "restart_idle_timer"),
+    Member("SMTP", "_reset_timeout", Kind.METHOD, "overridden: the idle deadline moves"),
+    Member("SMTP", "_timeout_duration", Kind.ATTRIBUTE, "_reset_timeout: the idle timeout"),
+    Member("SMTP", "_proxy_timeout", Kind.ATTRIBUTE, "_handle_client: PROXY is aiosmtpd's"),
+    Member("SMTP", "_enforce_call_limit", Kind.ATTRIBUTE, "_handle_client: limits are aiosmtpd's"),
+    Member("SMTP", "_tls_handshake_okay", Kind.ATTRIBUTE, "_command_loop: 554 after a bad TLS"),
+    Member("SMTP", "_smtp_methods", Kind.ATTRIBUTE, "_command_loop: a command's method"),
     Member("SMTP", "_set_rset_state", Kind.METHOD, "reset_transaction"),
     Member("SMTP", "_set_post_data_state", Kind.METHOD, "end_transaction"),
     Member("SMTP", "_call_handler_hook", Kind.COROUTINE, "run_data_hook"),
     Member("SMTP", "_create_envelope", Kind.METHOD, "overridden: envelope_class"),
-    Member("SMTP", "_handle_client", Kind.COROUTINE, "overridden: serves_client"),
+    Member("SMTP", "_handle_client", Kind.COROUTINE, "overridden: serves_client, _command_loop"),
     Member("SMTP", "_timeout_cb", Kind.METHOD, "overridden: before_idle_close"),
     Member("SMTP._reader", "_buffer", Kind.ATTRIBUTE, "buffered_bytes"),
 )
@@ -77,7 +82,7 @@ class ClassScan:
 
     smtp_methods: dict[str, str]  # command → smtp_* name, of the protocol class
     auth_methods: tuple[str, ...]  # auth_* names of the protocol class
-    handle_hooks: tuple[str, ...]  # handle_* names of the handler class
+    handle_hooks: dict[str, str]  # hook → handle_* name, of the handler class
     handler_auth: tuple[str, ...]  # auth_* names of the handler class
     ehlo_hook_ver: str | None
 
@@ -103,7 +108,7 @@ def scan(protocol: type, handler: object) -> ClassScan:
                 m.replace("smtp_", ""): m for m in dir(protocol) if m.startswith("smtp_")
             },
             auth_methods=tuple(m for m in dir(protocol) if m.startswith("auth_")),
-            handle_hooks=handle_hooks,
+            handle_hooks={m.replace("handle_", ""): m for m in handle_hooks},
             handler_auth=tuple(m for m in dir(handler) if m.startswith("auth_")),
             ehlo_hook_ver=ehlo_ver,
         )

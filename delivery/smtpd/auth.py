@@ -5,7 +5,9 @@ command, its 334 challenges read from the connection, the PLAIN and LOGIN
 responses decoded, and the credentials checked in a database thread. How
 many guesses an address or a username gets is ``authlimit``'s; the account
 and its password hash are ``queues.services.accounts``'. AUTH is offered
-inside TLS only (``commands.Commands.smtp_EHLO`` advertises it there).
+inside TLS only (``commands.Commands.smtp_EHLO`` advertises it there). What
+an authenticated account's message may name as its author is checked at its
+end (``header_sender_refusal``, called by ``server.RelayHandler``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import TYPE_CHECKING
 from aiosmtpd.smtp import syntax
 
 from delivery.smtpd import authlimit, policy
+from queues.accept import printable
+from queues.lib import author_addresses
 from queues.services import accounts
 
 if TYPE_CHECKING:
@@ -218,3 +222,15 @@ class AuthCommand(_Session):
         except Exception:  # noqa: BLE001 - the reply matters more than the event
             log.warning("could not record an AUTH failure event", exc_info=True)
         await self.push(policy.AUTH_FAILED)
+
+
+def header_sender_refusal(grant: accounts.Grant, data: bytes | bytearray) -> str | None:
+    """550 5.7.1 when a From or Sender address of the header is not one the
+    account may use (as MAIL FROM is checked): signed, it would pass DKIM and
+    DMARC as that address's domain. None when every one is allowed."""
+    for field, address in author_addresses(data):
+        if not grant.may_send_as(address):
+            return policy.HEADER_SENDER_NOT_ALLOWED.format(
+                address=printable(address)[:300], field=field, username=grant.username
+            )
+    return None

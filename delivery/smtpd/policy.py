@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 # The path parser lives in the store, below every way mail comes in (an
@@ -277,8 +276,12 @@ def client_ip(host: str | None) -> IPAddress | None:
     return ip
 
 
-def is_trusted(ip: IPAddress | None, networks: Iterable[IPNetwork]) -> bool:
-    """May this client relay to any domain (MAILRELAY_RELAY_NETWORKS)?"""
+@functools.lru_cache(maxsize=4096)
+def is_trusted(ip: IPAddress | None, networks: tuple[IPNetwork, ...]) -> bool:
+    """May this client relay to any domain (MAILRELAY_RELAY_NETWORKS)?
+
+    Cached as ``client_ip`` is (the same clients come back; a network's
+    ``in`` is Python arithmetic on each of them, per connection)."""
     if ip is None:
         return False
     return any(ip.version == net.version and ip in net for net in networks)

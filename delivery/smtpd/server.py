@@ -58,6 +58,7 @@ from django.db import InterfaceError, OperationalError, connection, connections
 
 from delivery.backpressure.samplers import InFlight
 from delivery.smtpd import policy
+from delivery.smtpd.auth import header_sender_refusal
 from delivery.smtpd.authlimit import AuthLimiter
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSION, SUBMISSIONS, InboundConfig
 from delivery.smtpd.session import (
@@ -66,7 +67,6 @@ from delivery.smtpd.session import (
     RelayEnvelope,
     has_bare_line_ending,
     header_limit_refusal,
-    header_sender_refusal,
     protocol_keyword,
     received_count,
 )

@@ -14,7 +14,8 @@ session); what happens to a message once its data is in is the
 handler's (``server.RelayHandler``), with the checks of the data here. It
 reads no settings: only its frozen ``InboundConfig``.
 
-In the order of the file: the adapter; the envelope and the DATA reader's
+In the order of the file: the adapter (with aiosmtpd's command loop, lean:
+``AiosmtpdSession._command_loop``); the envelope and the DATA reader's
 helpers (dot-unstuffing, the deadline); the checks of the message data; the
 enhanced status codes of the replies; the Received header's "with" keyword
 (``protocol_keyword``); ``InboundSMTP``.
@@ -23,6 +24,7 @@ enhanced status codes of the replies; the Received header's "with" keyword
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import socket
@@ -33,22 +35,26 @@ from typing import Any
 
 from aiosmtpd import _get_or_new_eventloop
 from aiosmtpd.smtp import (
+    BOGUS_LIMIT,
     DATA_SIZE_DEFAULT,
     SMTP,
     Envelope,
+    TLSSetupException,
     _AuthMechAttr,
     login_always_fail,
+    sanitized_log,
     syntax,
 )
 from aiosmtpd.smtp import __ident__ as _AIOSMTPD_IDENT
+from aiosmtpd.smtp import log as _aiosmtpd_log
 
 from delivery.smtpd import aiosmtpd_members, policy
 from delivery.smtpd.auth import AuthCommand
 from delivery.smtpd.commands import Commands
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSIONS
 from delivery.smtpd.state import SessionHost
-from queues.accept import IncomingRecipient, printable
-from queues.lib import author_addresses, header_end, header_shape_refusal
+from queues.accept import IncomingRecipient
+from queues.lib import header_end, header_shape_refusal
 from queues.services import accounts
 
 log = logging.getLogger(__name__)
@@ -79,8 +85,9 @@ FAST_INIT_OPTIONS = frozenset(
 
 
 class _BoundOnUse(Mapping[str, Any]):
-    """``{"MAIL": session.smtp_MAIL, …}`` as aiosmtpd builds it, bound when looked up
-    (a session uses a handful of its ~15 commands; binding them all cost more)."""
+    """``{"MAIL": session.smtp_MAIL, …}`` (or ``{"DATA": handler.handle_DATA, …}``)
+    as aiosmtpd builds it, bound when looked up (a session uses a handful of its
+    ~15 commands and one or two hooks; binding them all cost more)."""
 
     __slots__ = ("_names", "_obj")
 
@@ -130,6 +137,11 @@ class AiosmtpdSession(SMTP):
 
     # What a new transaction's envelope is (aiosmtpd builds it after RSET, HELO/EHLO, DATA).
     envelope_class: type[Envelope] = Envelope
+    # The idle deadline (loop time) and whether ``_timeout_handle`` is the idle
+    # timer that re-arms itself for it (``_reset_timeout``); class defaults, so the
+    # fast __init__ sets exactly aiosmtpd's attributes.
+    _idle_at: float = 0.0
+    _idle_armed: bool = False
 
     def __init__(self, handler: Any, **options: Any) -> None:
         tls_context = options.get("tls_context")
@@ -185,9 +197,7 @@ class AiosmtpdSession(SMTP):
                 )
                 auth[mechanism] = _AuthMechAttr(method, obj is self)
         self._auth_methods = auth
-        self._handle_hooks = {
-            name.replace("handle_", ""): getattr(handler, name) for name in scan.handle_hooks
-        }
+        self._handle_hooks = _BoundOnUse(handler, scan.handle_hooks)
         self._ehlo_hook_ver = scan.ehlo_hook_ver
         self._smtp_methods = _BoundOnUse(self, scan.smtp_methods)
         self._enforce_call_limit = False
@@ -254,20 +264,158 @@ class AiosmtpdSession(SMTP):
         if self._timeout_handle is not None:
             self._timeout_handle.cancel()
         self._timeout_handle = self.loop.call_at(when, callback)
+        self._idle_armed = False
 
     # --- aiosmtpd's private hooks, overridden here only
 
     def _create_envelope(self) -> Envelope:
         return self.envelope_class()
 
+    def _reset_timeout(self, duration: float | None = None) -> None:
+        # aiosmtpd makes a new idle timer on every command; here the deadline moves,
+        # and the armed timer re-arms itself for what is left of it (``_idle_due``).
+        when = self.loop.time() + (duration or self._timeout_duration)
+        self._idle_at = when
+        handle = self._timeout_handle
+        if handle is not None:
+            if self._idle_armed and handle.when() <= when and not handle.cancelled():
+                return
+            handle.cancel()
+        self._timeout_handle = self.loop.call_at(when, self._idle_due)
+        self._idle_armed = True
+
+    def _idle_due(self) -> None:
+        if self.loop.time() < self._idle_at:  # a command came since the timer was armed
+            self._timeout_handle = self.loop.call_at(self._idle_at, self._idle_due)
+            return
+        self._idle_armed = False
+        self._timeout_cb()
+
     async def _handle_client(self) -> None:
         if not self.serves_client():
             return
-        await super()._handle_client()
+        if self._proxy_timeout is not None or self._enforce_call_limit or self.require_starttls:
+            await super()._handle_client()  # aiosmtpd's options this loop leaves to it
+            return
+        await self._command_loop()
+
+    async def _command_loop(self) -> None:
+        """aiosmtpd 1.4's command loop (``SMTP._handle_client``), its replies and their
+        order unchanged, without its per-line ``sanitized_log`` calls (a regular
+        expression and a list per line for a logger, ``mail.log``, that the relay
+        runs at WARNING): a line is logged only when that logger would write it.
+        ``tests/test_aiosmtpd_adapter.py`` plays the same lines to both loops."""
+        assert self.session is not None
+        peer = self.session.peer
+        chatty = _aiosmtpd_log.isEnabledFor(logging.INFO)
+        if chatty:
+            _aiosmtpd_log.info("%r handling connection", peer)
+        await self.push(f"220 {self.hostname} {self.__ident__}")
+        bogus_budget = BOGUS_LIMIT
+        reader = self._reader
+        while self.transport is not None:
+            try:
+                try:
+                    line: bytes = await reader.readuntil()
+                except asyncio.LimitOverrunError as error:
+                    await _discard_long_line(reader, error.consumed)
+                    await self.push("500 Command line too long")
+                    continue
+                line = line.rstrip(b"\r\n")
+                if chatty:
+                    sanitized_log(_aiosmtpd_log.info, "%r >> %r", peer, line)
+                if not line:
+                    await self.push("500 Error: bad syntax")
+                    continue
+                command_bytes, _, arg_bytes = line.partition(b" ")
+                try:
+                    command = command_bytes.upper().decode("ascii")
+                except UnicodeDecodeError:
+                    await self.push("500 Error: bad syntax")
+                    continue
+                arg = _command_argument(arg_bytes, self.enable_SMTPUTF8)
+                if arg is _NOT_ASCII:
+                    await self.push("500 Error: strict ASCII mode")
+                    continue
+                limit = (
+                    self.command_size_limits[command]
+                    if self.session.extended_smtp
+                    else self.command_size_limit
+                )
+                if len(line) > limit:
+                    await self.push("500 Command line too long")
+                    continue
+                if not self._tls_handshake_okay and command != "QUIT":
+                    await self.push("554 Command refused due to lack of security")
+                    continue
+                method = self._smtp_methods.get(command)
+                if method is None:
+                    _aiosmtpd_log.warning("%r unrecognised: %s", peer, command)
+                    bogus_budget -= 1
+                    if bogus_budget < 1:
+                        _aiosmtpd_log.warning("%r too many bogus commands", peer)
+                        await self.push("502 5.5.1 Too many unrecognized commands, goodbye.")
+                        self.transport.close()
+                        continue
+                    await self.push(f'500 Error: command "{command}" not recognized')
+                    continue
+                self._reset_timeout()
+                await method(arg)
+            except (asyncio.CancelledError, ConnectionResetError):
+                _aiosmtpd_log.info("%r Connection lost during _handle_client()", peer)
+                self._writer.close()
+                raise
+            except Exception as error:  # noqa: BLE001 - aiosmtpd's: the handler's reply to it
+                await self._answer_exception(error)
+
+    async def _answer_exception(self, error: Exception) -> None:
+        """What aiosmtpd's loop does with an exception a command raised."""
+        status = "500 Error: Cannot describe error"
+        try:
+            status = await self.handle_exception(error)
+        except Exception as inner:  # noqa: BLE001 - as aiosmtpd
+            with contextlib.suppress(Exception):  # an error that cannot be told: the default
+                _aiosmtpd_log.exception("%r Exception in handle_exception()", self.session.peer)
+                status = f"500 Error: ({inner.__class__.__name__}) {inner}"
+        finally:
+            if isinstance(error, TLSSetupException):
+                assert self.transport is not None
+                self.transport.close()
+                self.connection_lost(error)
+            else:
+                await self.push(status)
 
     def _timeout_cb(self) -> None:
         self.before_idle_close()
         super()._timeout_cb()
+
+
+# Not a str: "strict ASCII mode" (aiosmtpd's) for an argument that is not ASCII.
+_NOT_ASCII = object()
+
+
+def _command_argument(arg_bytes: bytes, smtputf8: bool) -> Any:
+    """A command's argument as aiosmtpd decodes it: None, text, or ``_NOT_ASCII``."""
+    if not arg_bytes:
+        return None
+    arg_bytes = arg_bytes.strip()
+    if smtputf8:  # any bytes, kept as they came (surrogateescape)
+        return str(arg_bytes, encoding="utf-8", errors="surrogateescape")
+    try:
+        return str(arg_bytes, encoding="ascii", errors="strict")
+    except UnicodeDecodeError:
+        return _NOT_ASCII
+
+
+async def _discard_long_line(reader: asyncio.StreamReader, consumed: int) -> None:
+    """Read past a line longer than the reader's limit, to its end (as aiosmtpd)."""
+    await reader.read(consumed)
+    while True:
+        try:
+            await reader.readuntil()
+            return
+        except asyncio.LimitOverrunError as e:
+            await reader.read(e.consumed)
 
 
 class RelayEnvelope(Envelope):
@@ -346,18 +494,6 @@ def header_limit_refusal(data: bytes | bytearray, max_fields: int, max_size: int
     kind, limit = excess
     reply = policy.TOO_MANY_HEADER_FIELDS if kind == "fields" else policy.HEADER_FIELD_TOO_LONG
     return reply.format(limit=limit)
-
-
-def header_sender_refusal(grant: accounts.Grant, data: bytes | bytearray) -> str | None:
-    """550 5.7.1 when a From or Sender address of the header is not one the
-    account may use (as MAIL FROM is checked): signed, it would pass DKIM and
-    DMARC as that address's domain. None when every one is allowed."""
-    for field, address in author_addresses(data):
-        if not grant.may_send_as(address):
-            return policy.HEADER_SENDER_NOT_ALLOWED.format(
-                address=printable(address)[:300], field=field, username=grant.username
-            )
-    return None
 
 
 # --- enhanced status codes (RFC 3463) for the replies ``policy`` does not name
