@@ -27,6 +27,7 @@ import shutil
 import statistics
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,11 +59,27 @@ class Answered:
         return "4ZXQ0000001"
 
 
-def one_run(port: int, messages: int, sessions: int, size: int) -> tuple[float, float]:
+class Stored(Answered):
+    """The real ``InboundServer.store`` (prepared, group-committed into the
+    database, the categorizer rung), counted."""
+
+    def __init__(self, store: Callable[[IncomingEnvelope, bytes], Awaitable[str]]) -> None:
+        super().__init__()
+        self.store = store
+
+    async def __call__(self, envelope: IncomingEnvelope, data: bytes) -> str:
+        qid = await self.store(envelope, data)
+        self.count += 1
+        return qid
+
+
+def one_run(
+    port: int, messages: int, sessions: int, size: int, *, store: bool = False
+) -> tuple[float, float]:
     """(messages a second, CPU ms a message) of one run of the relay's session."""
     loop = asyncio.new_event_loop()
     server = InboundServer(InboundConfig.from_settings())
-    answered = Answered()
+    answered = Stored(server.store) if store else Answered()
     server.store = answered  # type: ignore[method-assign] - RelayHandler calls it
     loop.run_until_complete(server.start([("127.0.0.1", port)]))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -84,13 +101,18 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--port", type=int, default=10026)
     parser.add_argument("--floor", action="store_true", help="aiosmtpd's floor too, alternating")
+    parser.add_argument(
+        "--store",
+        action="store_true",
+        help="store the messages as runsmtp does (DATABASE_URL, migrated; CELERY_BROKER_URL)",
+    )
     args = parser.parse_args()
     if shutil.which("smtp-source") is None:
         print("smtp-source not found (Debian: apt-get install postfix)", file=sys.stderr)
         return 2
     costs: dict[str, list[float]] = {"relay session": [], "aiosmtpd floor": []}
     for n in range(1, args.runs + 1):
-        rate, cost = one_run(args.port, args.messages, args.sessions, args.size)
+        rate, cost = one_run(args.port, args.messages, args.sessions, args.size, store=args.store)
         costs["relay session"].append(cost)
         line = f"run {n}: relay session {rate:.0f} msg/s, CPU {cost:.3f} ms/msg"
         if args.floor:
