@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import format_datetime
-from typing import TypeVar
 
 from django.db import Error, IntegrityError, InterfaceError, OperationalError, connection
 from django.db.models import Field, Model
@@ -39,8 +38,6 @@ from queues.models import (
 )
 
 log = logging.getLogger(__name__)
-
-ModelT = TypeVar("ModelT", bound=Model)
 
 _B32 = "0123456789BCDFGHJKLMNPQRSTVWXYZ"  # no vowels: ids never spell words
 
@@ -258,18 +255,19 @@ def _dkim_signature(qid: str, prefix: bytes, data: bytes | bytearray) -> tuple[b
     return signature, ""
 
 
-def _dkim_failed(message: Message, error: str) -> None:
+def _dkim_failed(prepared: PreparedMessage) -> None:
+    error = prepared.dkim_error
     try:
         Event.objects.create(
             created_at=clock.now(),
             level=EventLevel.WARNING,
             kind="dkim_sign_failed",
-            text=f"message {message.qid} is sent unsigned: DKIM signing failed ({error})",
-            message=message,
+            text=f"message {prepared.qid} is sent unsigned: DKIM signing failed ({error})",
+            message_id=prepared.row.pk,
             data={"error": error[:1000]},
         )
     except Exception:  # noqa: BLE001 - the message is stored; the log carries it
-        log.warning("%s: could not record the DKIM failure event", message.qid, exc_info=True)
+        log.warning("%s: could not record the DKIM failure event", prepared.qid, exc_info=True)
 
 
 def prepares_alone(env: IncomingEnvelope) -> bool:
@@ -281,13 +279,11 @@ def prepares_alone(env: IncomingEnvelope) -> bool:
 
 
 @functools.cache
-def _row_template(model: type[Model]) -> tuple[dict[str, int], list[object], tuple[Field, ...]]:
-    """``new_row``'s plan for ``model``: each concrete field's position, the default
+def _row_plan(model: type[Model]) -> tuple[dict[str, int], list[object], tuple[Field, ...]]:
+    """``NewRow``'s plan for ``model``: each concrete field's position, the default
     of each field whose default is a constant, the fields whose default is made
     per row (a callable, a database default's expression)."""
     fields = model._meta.concrete_fields
-    if any(f.generated for f in fields):
-        return {}, [], ()  # Django leaves a generated field unset: keywords only
     called = tuple(
         f for f in fields if (f.has_default() and callable(f.default)) or f.has_db_default()
     )
@@ -295,33 +291,67 @@ def _row_template(model: type[Model]) -> tuple[dict[str, int], list[object], tup
     return {f.attname: i for i, f in enumerate(fields)}, template, called
 
 
-def new_row(model: type[ModelT], **values: object) -> ModelT:
-    """``model(**values)`` (``values`` by attname), built through Django's positional
-    path, the one ``from_db`` takes: every field's value in order, the defaults
-    filled in here, instead of a keyword looked up (and a KeyError raised for
-    each default) per field. The same instance, at about half the CPU."""
-    index, template, called = _row_template(model)
-    if not index or not values.keys() <= index.keys():
-        return model(**values)
-    args = template.copy()
-    for field in called:
-        if field.attname not in values:
-            args[index[field.attname]] = field.get_default()
-    for name, value in values.items():
-        args[index[name]] = value
-    return model(*args)
+class NewRow:
+    """A row of ``model`` to insert: its concrete fields' values in their order
+    (``values``, the defaults filled in; what ``queues.database``'s insert
+    sends), read by attname as an instance is (``row.qid``), its primary key
+    set once inserted (``pk``).
+
+    The ingress inserts these, not model instances: ``Model.__init__`` (a
+    ``setattr`` per field, its signals) and reading each field back for the
+    statement cost more than the rest of preparing a message. ``instance()``
+    builds the model instance when one is asked for (``message_accept``)."""
+
+    __slots__ = ("model", "pk", "values")
+
+    def __init__(self, model: type[Model], **values: object) -> None:
+        index, template, called = _row_plan(model)
+        row = template.copy()
+        for field in called:
+            if field.attname not in values:
+                row[index[field.attname]] = field.get_default()
+        for name, value in values.items():
+            row[index[name]] = value  # a KeyError names a field the model has not
+        self.model, self.values, self.pk = model, row, None
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return self.values[_row_plan(self.model)[0][name]]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def instance(self, deferred: Sequence[str] = ()) -> Model:
+        """The model instance of this row: saved when ``pk`` is set, the fields
+        ``deferred`` left to be read from the database if asked for."""
+        obj = self.model(*self.values)
+        if self.pk is not None:
+            obj.pk = self.pk
+            obj._state.adding = False
+        for name in deferred:
+            obj.__dict__.pop(name, None)
+        return obj
 
 
 @dataclass
 class PreparedMessage:
     """A message ready to insert: its row, its recipients' rows, its data pieces."""
 
-    message: Message
-    recipients: list[Recipient]
+    row: NewRow
+    recipients: list[NewRow]
     parts: dict[str, tuple[bytes, bytes | bytearray]]
     dkim_error: str
     env: IncomingEnvelope  # what it was made from: prepared again under a new queue id
     data: bytes | bytearray
+
+    @property
+    def qid(self) -> str:
+        return self.row.qid  # type: ignore[return-value]
+
+    @property
+    def message(self) -> Message:
+        """The message as a ``Message``, made on each use (the ingress needs none):
+        saved once the row's pk is set, its data read back if asked for."""
+        return self.row.instance(deferred=tuple(self.parts))  # type: ignore[return-value]
 
 
 def prepare_message(
@@ -339,7 +369,7 @@ def prepare_message(
     # Signed once, here, where the body is in memory already (queues.dkim).
     signed = env.dkim_sign and sign
     signature, dkim_error = _dkim_signature(qid, prefix, data) if signed else (b"", "")
-    message = new_row(
+    row = NewRow(
         Message,
         qid=qid,
         state=MessageState.SUBMISSION,
@@ -363,7 +393,7 @@ def prepare_message(
         auth_account=env.auth_account,
     )
     recipients = [
-        new_row(
+        NewRow(
             Recipient,
             address=rcpt.address,
             domain=recipient_domain(rcpt.address),
@@ -374,7 +404,7 @@ def prepare_message(
         )
         for rcpt in env.recipients
     ]
-    return PreparedMessage(message, recipients, {"data": (prefix, data)}, dkim_error, env, data)
+    return PreparedMessage(row, recipients, {"data": (prefix, data)}, dkim_error, env, data)
 
 
 # A queue id is 45 bits of time and 25 random bits: two messages of the same
@@ -388,7 +418,15 @@ class QueueIdTaken(Exception):
     """The queue id drawn for a message is held by another stored message."""
 
 
-def _insert_one(prepared: PreparedMessage) -> Message:
+# A message stored: as found in the store, or as it was prepared (its row's pk set).
+Accepted = Message | PreparedMessage
+
+
+def _as_message(accepted: Accepted) -> Message:
+    return accepted.message if isinstance(accepted, PreparedMessage) else accepted
+
+
+def _insert_one(prepared: PreparedMessage) -> Accepted:
     """One message in its own statement (and transaction), retried once on a lost
     connection, and under a new queue id when its own is another message's."""
     for _ in range(QID_DRAWS):
@@ -400,42 +438,42 @@ def _insert_one(prepared: PreparedMessage) -> Message:
     raise IntegrityError(f"no free queue id in {QID_DRAWS} draws")
 
 
-def _insert_as_drawn(prepared: PreparedMessage) -> Message:
+def _insert_as_drawn(prepared: PreparedMessage) -> Accepted:
     try:
         return _insert_once(prepared)
     except (OperationalError, InterfaceError) as exc:
         if not is_outage(exc) or connection.in_atomic_block or connection.vendor != "postgresql":
             raise  # the caller's transaction is lost with the connection; SQLite is local
-        qid = prepared.message.qid
+        qid = prepared.qid
         # Debug only: while the database is away every message comes here, and
         # the 451 (if the retry fails too) is logged once by the SMTP session.
         log.debug("%s: database connection lost; retrying once on a new one", qid)
         connection.close()
-    stored = _qid_holder(prepared.message)
+    stored = _qid_holder(prepared.row)
     if stored is not None:
         return stored  # committed before the connection died
     return _insert_once(prepared)
 
 
-def _insert_once(prepared: PreparedMessage) -> Message:
-    message = prepared.message
+def _insert_once(prepared: PreparedMessage) -> Accepted:
+    row = prepared.row
     try:
-        insert_with_children(message, prepared.recipients, "message", parts=prepared.parts)
+        insert_with_children(row, prepared.recipients, "message", parts=prepared.parts)
     except IntegrityError:
         # Its queue id is taken: by this very message (a group commit that
         # failed after committing stored it, and looking it up then failed
         # too), or by another one (QueueIdTaken: a new id).
-        stored = None if connection.in_atomic_block else _qid_holder(message)
+        stored = None if connection.in_atomic_block else _qid_holder(row)
         if stored is None:
             raise
-        log.warning("%s: already stored by a failed group commit", message.qid)
+        log.warning("%s: already stored by a failed group commit", prepared.qid)
         return stored
     if prepared.dkim_error:
-        _dkim_failed(message, prepared.dkim_error)
-    return message
+        _dkim_failed(prepared)
+    return prepared
 
 
-def _qid_holder(message: Message) -> Message | None:
+def _qid_holder(message: Message | NewRow) -> Message | None:
     """The stored row with ``message``'s queue id when it is this very message;
     None when no row has it; QueueIdTaken when another message's row does."""
     stored = Message.objects.filter(qid=message.qid).defer("data").first()
@@ -444,7 +482,7 @@ def _qid_holder(message: Message) -> Message | None:
     return stored
 
 
-def _same_message(stored: Message, message: Message) -> bool:
+def _same_message(stored: Message, message: Message | NewRow) -> bool:
     """Whether the row ``stored`` is ``message`` (same queue id, envelope, size
     and arrival instant), not another message that drew the same queue id."""
     fields = ("size", "mail_from", "received_at", "message_id", "client_address")
@@ -465,10 +503,10 @@ def message_accept(env: IncomingEnvelope, data: bytes | bytearray) -> Message:
     connection. The retry first looks for the queue id: if the lost reply
     was for a commit that happened, the message is not stored twice.
     """
-    return prepared_accept(prepare_message(env, data))
+    return _as_message(prepared_accept(prepare_message(env, data)))
 
 
-def prepared_accept(prepared: PreparedMessage) -> Message:
+def prepared_accept(prepared: PreparedMessage) -> Accepted:
     """``message_accept`` of a message prepared (and signed) already: the SMTP
     ingress prepares in the session's database thread, so a slow signature
     never holds up the committer threads other sessions wait on."""
@@ -494,11 +532,11 @@ def messages_accept(
             results.append(exc)
     stored = prepared_accept_many([prepared for _index, prepared in ready])
     for (index, _prepared), result in zip(ready, stored, strict=True):
-        results[index] = result
+        results[index] = result if isinstance(result, Exception) else _as_message(result)
     return results
 
 
-def prepared_accept_many(ready: Sequence[PreparedMessage]) -> list[Message | Exception]:
+def prepared_accept_many(ready: Sequence[PreparedMessage]) -> list[Accepted | Exception]:
     """Group commit of prepared messages: ONE statement (one transaction, one commit).
 
     Returns, in order, each message or the exception that kept it out: the
@@ -518,7 +556,7 @@ def prepared_accept_many(ready: Sequence[PreparedMessage]) -> list[Message | Exc
         return []
     try:
         insert_many_with_children(
-            [(p.message, p.recipients, p.parts) for p in ready], "message", key_field="qid"
+            [(p.row, p.recipients, p.parts) for p in ready], "message", key_field="qid"
         )
     except Exception as exc:  # noqa: BLE001 - nothing of the batch is committed (or unknown)
         log.log(
@@ -532,30 +570,30 @@ def prepared_accept_many(ready: Sequence[PreparedMessage]) -> list[Message | Exc
         # up first, so no committed message gets 451 and is stored twice.
         if is_outage(exc):
             drop_connection()
-        stored = _already_stored([p.message for p in ready])
-        results: list[Message | Exception] = []
+        stored = _already_stored([p.row for p in ready])
+        results: list[Accepted | Exception] = []
         for prepared in ready:
-            found = stored.get(prepared.message.qid)
+            found = stored.get(prepared.qid)
             results.append(found if found is not None else _try_one(prepared))
         return results
     for prepared in ready:
         if prepared.dkim_error:
-            _dkim_failed(prepared.message, prepared.dkim_error)
-    return [prepared.message for prepared in ready]
+            _dkim_failed(prepared)
+    return list(ready)
 
 
-def _try_one(prepared: PreparedMessage) -> Message | Exception:
+def _try_one(prepared: PreparedMessage) -> Accepted | Exception:
     try:
         return _insert_one(prepared)
     except Exception as exc:  # noqa: BLE001 - handed to this message's session (451)
         # The session answers 451 and logs it; a database that is away is not news here.
         level = logging.DEBUG if _unavailable(exc) else logging.WARNING
-        log.log(level, "%s: could not be stored: %s", prepared.message.qid, exc)
+        log.log(level, "%s: could not be stored: %s", prepared.qid, exc)
         drop_connection()  # a broken connection is not reused by the next message
         return exc
 
 
-def _already_stored(messages: list[Message]) -> dict[str, Message]:
+def _already_stored(messages: list[NewRow]) -> dict[str, Message]:
     """Messages of a batch whose commit may have happened before its connection
     was lost: each found by its queue id, and only when the row is that very
     message (another message holding the id is a collision: _insert_one)."""

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import psycopg
 import psycopg.adapt
@@ -261,25 +261,16 @@ def _as_is_types(fields: Sequence[models.Field], vendor: str) -> tuple[frozenset
     return tuple(_AS_IS_TYPES.get(type(f), _DJANGO) for f in fields)
 
 
-def _db_value(
-    field: models.Field, as_is: frozenset[type], value: object, db: BaseDatabaseWrapper
-) -> object:
-    """``field.get_db_prep_save(value, db)``: the value itself when that is what it returns."""
-    kind = type(value)
-    if kind in as_is and (kind is not datetime or value.utcoffset() is not None):  # type: ignore[attr-defined]
-        return value
-    return field.get_db_prep_save(value, db)
-
-
 @dataclass(frozen=True)
 class _InsertShape:
     """The fields and SQL pieces of a parent-with-children insert, built once per model pair."""
 
     parent_fields: tuple[models.Field, ...]
-    parent_text_fields: frozenset[str]  # sent as text (GenericIPAddressField)
-    parent_as_is: tuple[frozenset[type], ...]  # of each parent field: _as_is_types
+    # of each parent field: its position in a row's values, whether it is sent
+    # as text (GenericIPAddressField), the types it sends as they are (_as_is_types)
+    parent_slots: tuple[tuple[models.Field, int, bool, frozenset[type]], ...]
     child_fields: tuple[models.Field, ...]
-    child_as_is: tuple[frozenset[type], ...]
+    child_slots: tuple[tuple[models.Field, int, frozenset[type]], ...]
     parent_table: str
     parent_columns: str
     pk_column: str
@@ -304,14 +295,22 @@ def _shape(model: type[models.Model], child_model: type[models.Model], fk: str) 
         child_fields = tuple(
             f for f in child_meta.concrete_fields if not f.primary_key and f is not fk_field
         )
+        parent_at, child_at = meta.concrete_fields.index, child_meta.concrete_fields.index
         shape = _SHAPES[key] = _InsertShape(
             parent_fields=parent_fields,
-            parent_text_fields=frozenset(
-                f.name for f in parent_fields if isinstance(f, models.GenericIPAddressField)
+            parent_slots=tuple(
+                (f, parent_at(f), isinstance(f, models.GenericIPAddressField), as_is)
+                for f, as_is in zip(
+                    parent_fields, _as_is_types(parent_fields, connection.vendor), strict=True
+                )
             ),
-            parent_as_is=_as_is_types(parent_fields, connection.vendor),
             child_fields=child_fields,
-            child_as_is=_as_is_types(child_fields, connection.vendor),
+            child_slots=tuple(
+                (f, child_at(f), as_is)
+                for f, as_is in zip(
+                    child_fields, _as_is_types(child_fields, connection.vendor), strict=True
+                )
+            ),
             parent_table=quote(meta.db_table),
             parent_columns=", ".join(quote(f.column) for f in parent_fields),
             pk_column=quote(meta.pk.column),
@@ -340,54 +339,84 @@ class _Params:
         self.values.append(value)
         return f"${len(self.values)}"
 
-    def row(self, values: Sequence[object], casts: Sequence[str]) -> str:
-        start = len(self.values)
-        self.values.extend(values)
-        return "(" + ", ".join(f"${start + i}{cast}" for i, cast in enumerate(casts, 1)) + ")"
+
+@functools.lru_cache(maxsize=4096)
+def _placeholders(
+    start: int, count: int, joined: tuple[tuple[int, int], ...], casts: tuple[str, ...]
+) -> str:
+    """A VALUES row's text for ``count`` columns whose parameters start after the
+    ``start``-th: ``($7, ($8 || $9), $10::int)``. ``joined`` gives (column, pieces)
+    of each column sent in pieces; ``casts`` each column's cast, or none. The
+    rows of a batch repeat from one batch to the next: made once each."""
+    pieces = dict(joined)
+    texts = []
+    n = start
+    for column in range(count):
+        width = pieces.get(column, 0)
+        if width:
+            texts.append("(" + " || ".join(f"${n + j}" for j in range(1, width + 1)) + ")")
+            n += width
+        else:
+            n += 1
+            texts.append(f"${n}{casts[column]}" if casts else f"${n}")
+    return "(" + ", ".join(texts) + ")"
 
 
 def _parent_row(
     shape: _InsertShape,
-    parent: models.Model,
+    values: Sequence[object],
     parts: Mapping[str, Sequence[bytes | bytearray]],
     params: _Params,
     db: BaseDatabaseWrapper,
 ) -> str:
-    """One parent's VALUES row (its values added to ``params``).
+    """One parent's VALUES row (its ``values``, in its model's concrete fields'
+    order, added to ``params``).
 
+    A value goes as it is when its field would send it so (``_AS_IS_TYPES``),
+    else through the field's ``get_db_prep_save``. An address goes as the text
+    it is: PostgreSQL reads it into the inet column (Django would parse it
+    into an ipaddress object first, a tenth of the ingress's CPU per message).
     ``db`` is the connection itself, not Django's ``connection`` proxy: the
     fields' value preparation reads it a few times per value, and each read
-    through the proxy is a thread-local lookup (measured: 30 of the 205 us of
-    CPU that storing a message took in a batch of five).
+    through the proxy is a thread-local lookup.
     """
-    placeholders = []
-    for f, as_is in zip(shape.parent_fields, shape.parent_as_is, strict=True):
-        pieces = parts.get(f.name)
+    out = params.values
+    start = len(out)
+    joined = []
+    for column, (f, at, as_text, as_is) in enumerate(shape.parent_slots):
+        pieces = parts.get(f.name) if parts else None
         if pieces is not None:
-            placeholders.append("(" + " || ".join(params.add(p) for p in pieces) + ")")
-        elif f.name in shape.parent_text_fields:
-            # An address as the text it is: PostgreSQL reads it into the inet
-            # column (Django would parse it into an ipaddress object first, a
-            # tenth of the ingress's CPU per message).
-            placeholders.append(params.add(getattr(parent, f.attname) or None))
+            out.extend(pieces)
+            joined.append((column, len(pieces)))
+            continue
+        value = values[at]
+        kind = type(value)
+        if as_text:
+            out.append(value or None)
+        elif kind in as_is and (kind is not datetime or value.utcoffset() is not None):  # type: ignore[attr-defined]
+            out.append(value)
         else:
-            # typed by the column it is inserted into
-            placeholders.append(params.add(_db_value(f, as_is, getattr(parent, f.attname), db)))
-    return "(" + ", ".join(placeholders) + ")"
+            out.append(f.get_db_prep_save(value, db))
+    return _placeholders(start, len(shape.parent_slots), tuple(joined), ())
 
 
 def _child_row(
     shape: _InsertShape,
-    child: models.Model,
+    values: Sequence[object],
     params: _Params,
     db: BaseDatabaseWrapper,
     key: str = "",
 ) -> str:
-    values = [
-        _db_value(f, as_is, getattr(child, f.attname), db)
-        for f, as_is in zip(shape.child_fields, shape.child_as_is, strict=True)
-    ]
-    row = params.row(values, shape.child_casts)
+    out = params.values
+    start = len(out)
+    for f, at, as_is in shape.child_slots:
+        value = values[at]
+        kind = type(value)
+        if kind in as_is and (kind is not datetime or value.utcoffset() is not None):  # type: ignore[attr-defined]
+            out.append(value)
+        else:
+            out.append(f.get_db_prep_save(value, db))
+    row = _placeholders(start, len(shape.child_slots), (), shape.child_casts)
     return "(" + key + ", " + row[1:] if key else row
 
 
@@ -404,19 +433,21 @@ def _execute_binary(sql: str, params: _Params) -> list[tuple]:
         return cursor.fetchall()
 
 
-def _mark_saved(
-    parent: models.Model, pk: object, parts: Mapping[str, Sequence[bytes | bytearray]]
-) -> None:
-    parent.pk = pk
-    parent._state.adding = False
-    meta = parent._meta
-    for name in parts:
-        parent.__dict__.pop(meta.get_field(name).attname, None)
+class InsertRow(Protocol):
+    """A row to insert (``queues.accept.NewRow``): its model, its concrete fields'
+    values in their order, its primary key (set by the insert), and the model
+    instance it is (for the ORM's insert, off PostgreSQL)."""
+
+    model: type[models.Model]
+    values: list[object]
+    pk: object
+
+    def instance(self) -> models.Model: ...
 
 
 def insert_with_children(
-    parent: models.Model,
-    children: Sequence[models.Model],
+    parent: InsertRow,
+    children: Sequence[InsertRow],
     fk: str,
     *,
     parts: Mapping[str, Sequence[bytes | bytearray]] | None = None,
@@ -432,15 +463,13 @@ def insert_with_children(
     header prefix and a large body): on PostgreSQL each piece is sent as a
     binary parameter (no escaping, no client-side copy into the query text)
     and the server joins them, so a message body is never copied whole by us.
-    Those fields are left deferred on ``parent`` (read from the database if
-    asked for).
     """
     insert_many_with_children([(parent, children, parts or {})], fk, key_field="")
 
 
 def insert_many_with_children(
     items: Sequence[
-        tuple[models.Model, Sequence[models.Model], Mapping[str, Sequence[bytes | bytearray]]]
+        tuple[InsertRow, Sequence[InsertRow], Mapping[str, Sequence[bytes | bytearray]]]
     ],
     fk: str,
     *,
@@ -464,13 +493,15 @@ def insert_many_with_children(
                 _insert_with_orm(parent, children, fk, parts)
         return
     first_parent, first_children, _ = items[0]
-    shape = _shape(type(first_parent), type(first_children[0]), fk)
+    shape = _shape(first_parent.model, first_children[0].model, fk)
     params = _Params()
     db = connections[DEFAULT_DB_ALIAS]  # the wrapper itself: one lookup per statement
-    parent_rows = [_parent_row(shape, parent, parts, params, db) for parent, _c, parts in items]
+    parent_rows = [
+        _parent_row(shape, parent.values, parts, params, db) for parent, _c, parts in items
+    ]
     if len(items) == 1:
         # The children need no key: the one parent's id is joined to each.
-        child_rows = [_child_row(shape, child, params, db) for child in first_children]
+        child_rows = [_child_row(shape, child.values, params, db) for child in first_children]
         sql = (
             f"WITH p AS (INSERT INTO {shape.parent_table} ({shape.parent_columns}) "
             f"VALUES {parent_rows[0]} RETURNING {shape.pk_column}) "
@@ -479,18 +510,19 @@ def insert_many_with_children(
             f"(VALUES {', '.join(child_rows)}) "
             f"AS v({shape.child_columns}) RETURNING {shape.fk_column}"
         )
-        rows = _execute_binary(sql, params)
-        _mark_saved(first_parent, rows[0][0], items[0][2])
+        first_parent.pk = _execute_binary(sql, params)[0][0]
         return
-    key = type(first_parent)._meta.get_field(key_field)
+    meta = first_parent.model._meta
+    key = meta.get_field(key_field)
+    key_at = meta.concrete_fields.index(key)
     key_column = connection.ops.quote_name(key.column)
     key_cast = f"::{key.db_type(connection)}"
     child_rows = []
     for parent, children, _parts in items:
-        key_value = getattr(parent, key.attname)
+        key_value = parent.values[key_at]
         for child in children:
             child_rows.append(
-                _child_row(shape, child, params, db, params.add(key_value) + key_cast)
+                _child_row(shape, child.values, params, db, params.add(key_value) + key_cast)
             )
     sql = (
         f"WITH p AS (INSERT INTO {shape.parent_table} ({shape.parent_columns}) "
@@ -502,8 +534,8 @@ def insert_many_with_children(
         f"SELECT {key_column}, {shape.pk_column} FROM p"
     )
     ids = dict(_execute_binary(sql, params))
-    for parent, _children, parts in items:
-        _mark_saved(parent, ids[getattr(parent, key.attname)], parts)
+    for parent, _children, _parts in items:
+        parent.pk = ids[parent.values[key_at]]
 
 
 class _BufferDumper(psycopg.adapt.Dumper):
@@ -522,20 +554,23 @@ class _BufferDumper(psycopg.adapt.Dumper):
 
 
 def _insert_with_orm(
-    parent: models.Model,
-    children: Sequence[models.Model],
+    parent: InsertRow,
+    children: Sequence[InsertRow],
     fk: str,
     parts: Mapping[str, Sequence[bytes | bytearray]],
 ) -> None:
     from django.db import transaction
 
+    obj = parent.instance()
     for name, pieces in parts.items():
-        setattr(parent, name, b"".join(pieces))
+        setattr(obj, name, b"".join(pieces))
     with transaction.atomic():
-        parent.save(force_insert=True)
-        for child in children:
-            setattr(child, fk, parent)
-        type(children[0]).objects.bulk_create(children)
+        obj.save(force_insert=True)
+        rows = [child.instance() for child in children]
+        for row in rows:
+            setattr(row, fk, obj)
+        children[0].model.objects.bulk_create(rows)
+    parent.pk = obj.pk
 
 
 # --- the query helpers of the hand-written hot paths: ``id__any``, postgresql() ----

@@ -302,3 +302,53 @@ def test_an_error_after_the_batch_committed_answers_its_messages_stored(monkeypa
     results = messages_accept([(envelope(f"r{i}@example.net"), BODY) for i in range(3)])
     assert all(isinstance(r, Message) for r in results)
     assert Message.objects.count() == 3
+
+
+def test_the_ingress_inserts_rows_without_building_a_model_instance(monkeypatch):
+    """The committer stores prepared rows (``NewRow``): no ``Message`` or
+    ``Recipient`` is built for a message that is stored, and every field
+    arrives as the model instance would have stored it."""
+    prepared = [accept.prepare_message(envelope(f"r{i}@example.net"), BODY) for i in range(3)]
+    expected = [p.message for p in prepared]  # the instance each row stands for
+    built: list[str] = []
+    for model in (Message, Recipient):
+        init = model.__init__
+
+        def counted(self, *args, _init=init, _name=model.__name__, **kwargs):
+            built.append(_name)
+            _init(self, *args, **kwargs)
+
+        monkeypatch.setattr(model, "__init__", counted)
+    results = accept.prepared_accept_many(prepared)
+    assert built == []
+    assert [r.qid for r in results] == [p.qid for p in prepared]
+    monkeypatch.undo()
+    fields = [f.attname for f in Message._meta.concrete_fields if f.attname not in ("id", "data")]
+    for i, (want, result) in enumerate(zip(expected, results, strict=True)):
+        stored = Message.objects.get(qid=want.qid)
+        assert stored.pk == result.row.pk
+        assert [getattr(stored, f) for f in fields] == [getattr(want, f) for f in fields]
+        assert bytes(stored.data).endswith(BODY)
+        rcpt = Recipient.objects.get(message=stored)
+        assert (rcpt.address, rcpt.domain, rcpt.state) == (
+            f"r{i}@example.net",
+            "example.net",
+            "submitted",
+        )
+
+
+def test_a_new_row_reads_as_its_instance():
+    row = accept.NewRow(Recipient, address="a@example.net", domain="example.net")
+    instance = row.instance()
+    assert row.address == instance.address == "a@example.net"
+    assert row.state == instance.state == "submitted"  # the field's default
+    assert instance._state.adding and instance.pk is None
+    with pytest.raises(AttributeError):
+        row.no_such_field  # noqa: B018 - the read is the test
+    with pytest.raises(KeyError):
+        accept.NewRow(Recipient, no_such_field=1)
+    row.pk = 7
+    saved = row.instance()
+    assert saved.pk == 7 and not saved._state.adding
+    two = [accept.NewRow(Message).event_id for _ in range(2)]
+    assert two[0] != two[1]  # a default made per row is made for each row
