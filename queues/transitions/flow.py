@@ -151,12 +151,9 @@ class MessageFlow(models.QuerySet):
         until the caller's transaction ends; returns their ids. The caller then
         places only their recipients, in the same transaction."""
         if postgresql():
-            with connection.cursor() as cur:
+            with connection.cursor() as cur:  # its plan pinned (migration queues/0018)
                 cur.execute(
-                    "UPDATE queues_message SET state = %s, lease_owner = '', lease_until = NULL, "
-                    "crash_count = 0, isolate = false "
-                    "WHERE id = ANY(%s::bigint[]) AND state = %s AND lease_owner = %s RETURNING id",
-                    [MessageState.QUEUED, list(ids), MessageState.CATEGORIZING, owner],
+                    "SELECT * FROM queues_queue_owned(%s::bigint[], %s)", [list(ids), owner]
                 )
                 return sorted(row[0] for row in cur.fetchall())
         mine = sorted(
@@ -339,22 +336,15 @@ class RecipientFlow(models.QuerySet):
         if not placements:
             return set()
         if postgresql():
-            with connection.cursor() as cur:
+            with connection.cursor() as cur:  # its plan pinned (migration queues/0018)
                 cur.execute(
-                    "UPDATE queues_recipient AS r SET queue_id = v.queue_id, state = %s, "
-                    "next_attempt_at = %s, routed_at = %s, routed_queue_id = v.queue_id, "
-                    "routed_link_id = v.link_id "
-                    "FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[]) "
-                    "AS v(id, queue_id, link_id) "
-                    "WHERE r.id = v.id AND r.state = %s RETURNING r.id",
+                    "SELECT * FROM queues_place_recipients("
+                    "%s::bigint[], %s::bigint[], %s::bigint[], %s)",
                     [
-                        RecipientState.QUEUED,
-                        now,
-                        now,
                         [rid for rid, _, _ in placements],
                         [qid for _, qid, _ in placements],
                         [lid for _, _, lid in placements],
-                        RecipientState.SUBMITTED,
+                        now,
                     ],
                 )
                 return {rid for (rid,) in cur.fetchall()}
