@@ -440,6 +440,25 @@ def test_a_body_that_cannot_be_read_defers_that_message_only(sink, smtp_port):
     assert sink.connections == 1 and len(sink.messages) == 2
 
 
+def test_a_small_body_goes_with_its_final_dot_in_one_write(sink, smtp_port, monkeypatch):
+    # One send a message for the body: the dot-stuffed bytes and the final dot
+    # together (the claim asked before them: test_losing_ownership_after_354…).
+    writes: list[bytes] = []
+    write = asyncio.StreamWriter.write
+
+    def counted(self: asyncio.StreamWriter, data: bytes) -> None:
+        writes.append(bytes(data))
+        write(self, data)
+
+    monkeypatch.setattr(asyncio.StreamWriter, "write", counted)
+    m = message("a@example.com", data=b"Subject: s\r\n\r\n.dot\r\nbody\r\n")
+    batch = asyncio.run(deliver([target(A, smtp_port)], [m], config()))
+    assert [r.outcome for r in batch.results] == ["delivered"]
+    assert b"Subject: s\r\n\r\n..dot\r\nbody\r\n.\r\n" in writes  # (the sink's writes too)
+    assert sink.wait_idle()
+    assert [x.data for x in sink.messages] == [b"Subject: s\r\n\r\n.dot\r\nbody\r\n"]
+
+
 def test_sending_a_large_body_costs_at_most_one_copy(smtp_port):
     # Lines starting with a dot force the dot-stuffed copy; the client must
     # not make a second one for the final dot nor let the transport buffer

@@ -594,12 +594,20 @@ class Connection:
     async def _send_body(self, data: bytes | None) -> None:
         """Write the dot-stuffed body in WRITE_CHUNK slices, then the final dot.
         The slices are views (no copy); waiting for each to drain keeps the
-        transport's own copy of what the socket has not taken to one slice.
+        transport's own copy of what the socket has not taken to one slice. A
+        body of one slice or less goes with its final dot in one write (one
+        send, one segment for the peer to read), the claim checked before it.
 
         ``data`` None writes the lone dot: the peer said 354 with no recipient
         accepted (it should not, RFC 2920 §3.1) and the empty transaction ends."""
         if data is not None:
             wire = stuffed(data)
+            if len(wire) <= WRITE_CHUNK:  # the usual message: one write, one send
+                if not self.may_send():
+                    raise ClaimLost("before the body and its final dot")
+                self.writer.write(wire + END_MARK)
+                await self.writer.drain()
+                return
             with memoryview(wire) as view:
                 for start in range(0, len(view), WRITE_CHUNK):
                     self.writer.write(view[start : start + WRITE_CHUNK])
