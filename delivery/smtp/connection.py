@@ -60,6 +60,9 @@ MAX_REPLY_BYTES = 64 * 1024
 # so this bounds that copy instead of duplicating the whole message.
 WRITE_CHUNK = 1024 * 1024
 END_MARK = b".\r\n"
+# A body up to this size goes with its final dot in one write (one copy of it,
+# one send); a larger one as slices, then the dot.
+ONE_WRITE = 64 * 1024
 # Enhanced code for a reply we could not parse or would not read (RFC 3463:
 # 4.5.0 other or undefined protocol status).
 PROTOCOL_ENHANCED = outcome.PROTOCOL_ERROR_ENHANCED
@@ -595,14 +598,14 @@ class Connection:
         """Write the dot-stuffed body in WRITE_CHUNK slices, then the final dot.
         The slices are views (no copy); waiting for each to drain keeps the
         transport's own copy of what the socket has not taken to one slice. A
-        body of one slice or less goes with its final dot in one write (one
-        send, one segment for the peer to read), the claim checked before it.
+        body of ONE_WRITE bytes or less goes with its final dot in one write
+        (one send, one segment for the peer to read), the claim asked before it.
 
         ``data`` None writes the lone dot: the peer said 354 with no recipient
         accepted (it should not, RFC 2920 §3.1) and the empty transaction ends."""
         if data is not None:
             wire = stuffed(data)
-            if len(wire) <= WRITE_CHUNK:  # the usual message: one write, one send
+            if len(wire) <= ONE_WRITE:  # the usual message: one write, one send
                 if not self.may_send():
                     raise ClaimLost("before the body and its final dot")
                 self.writer.write(wire + END_MARK)
