@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import numbers
-from collections.abc import AsyncIterator, Mapping
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import pytest
@@ -42,6 +44,9 @@ ATTRIBUTE_TYPES: dict[str, type] = {
     "SMTP._smtp_methods": Mapping,
     "SMTP._original_transport": type(None),
     "SMTP._reader._buffer": bytearray,
+    "SMTP._handler_coroutine": asyncio.Task,
+    "SMTP._auth_methods": dict,
+    "SMTP._client_connected_cb": Callable,
 }
 
 
@@ -179,6 +184,46 @@ def test_the_overridden_hooks_keep_the_kind_of_the_methods_they_replace():
 
 
 # --------------------------------------------------------------- what each method does
+
+
+def test_a_session_ended_by_quit_is_freed_without_the_garbage_collector():
+    """QUIT ends the session's task by returning (aiosmtpd's QUIT cancels it, and
+    the CancelledError's traceback holds the session in a reference cycle), and
+    connection_lost drops what refers back to it: with the collector off, the
+    session is gone as soon as its connection is."""
+
+    async def scenario() -> None:
+        sessions: list[weakref.ref[Probe]] = []
+
+        def factory() -> Probe:
+            session = Probe(Handler())
+            sessions.append(weakref.ref(session))
+            return session
+
+        server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert (await reader.readline()).startswith(b"220 ")
+        session = sessions[0]()
+        assert session is not None
+        task = session._handler_coroutine
+        del session
+        writer.write(b"QUIT\r\n")
+        assert (await reader.readline()).startswith(b"221 ")
+        assert await reader.read() == b""  # the server closed the connection
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        await asyncio.sleep(0)  # connection_lost's callbacks
+        assert task.done() and not task.cancelled()
+        del task
+        assert sessions[0]() is None
+
+    gc.disable()
+    try:
+        run(scenario())
+    finally:
+        gc.enable()
 
 
 def test_a_session_that_serves_its_client_greets_and_answers():

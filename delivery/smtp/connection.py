@@ -60,11 +60,8 @@ MAX_REPLY_BYTES = 64 * 1024
 # so this bounds that copy instead of duplicating the whole message.
 WRITE_CHUNK = 1024 * 1024
 END_MARK = b".\r\n"
-# A body up to this size goes with its final dot in one write (one copy of it,
-# one send); a larger one as slices, then the dot.
-ONE_WRITE = 64 * 1024
-# Enhanced code for a reply we could not parse or would not read (RFC 3463:
-# 4.5.0 other or undefined protocol status).
+ONE_WRITE = 64 * 1024  # a body up to this size goes with its final dot in one write
+# Enhanced code for a reply we could not parse or would not read (RFC 3463: 4.5.0, other).
 PROTOCOL_ENHANCED = outcome.PROTOCOL_ERROR_ENHANCED
 END_OF_DATA = "end of data"
 # Next hops on this port speak TLS from the first byte (RFC 8314 "submissions").
@@ -595,29 +592,21 @@ class Connection:
         return False
 
     async def _send_body(self, data: bytes | None) -> None:
-        """Write the dot-stuffed body in WRITE_CHUNK slices, then the final dot.
-        The slices are views (no copy); waiting for each to drain keeps the
-        transport's own copy of what the socket has not taken to one slice. A
-        body of ONE_WRITE bytes or less goes with its final dot in one write
-        (one send, one segment for the peer to read), the claim asked before it.
+        """Write the dot-stuffed body in WRITE_CHUNK slices (views: the transport
+        copies at most one slice the socket has not taken), then the final dot; a
+        body of ONE_WRITE bytes or less goes in one write with its dot (one send).
 
         ``data`` None writes the lone dot: the peer said 354 with no recipient
         accepted (it should not, RFC 2920 §3.1) and the empty transaction ends."""
-        if data is not None:
-            wire = stuffed(data)
-            if len(wire) <= ONE_WRITE:  # the usual message: one write, one send
-                if not self.may_send():
-                    raise ClaimLost("before the body and its final dot")
-                self.writer.write(wire + END_MARK)
-                await self.writer.drain()
-                return
+        wire = b"" if data is None else stuffed(data)
+        if len(wire) > ONE_WRITE:
             with memoryview(wire) as view:
                 for start in range(0, len(view), WRITE_CHUNK):
                     self.writer.write(view[start : start + WRITE_CHUNK])
                     await self.writer.drain()
         if not self.may_send():
             raise ClaimLost("before the final dot")
-        self.writer.write(END_MARK)
+        self.writer.write(END_MARK if len(wire) > ONE_WRITE else wire + END_MARK)
         await self.writer.drain()
 
     def _end_transaction(

@@ -24,7 +24,6 @@ enhanced status codes of the replies; the Received header's "with" keyword
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import socket
@@ -37,9 +36,9 @@ from aiosmtpd import _get_or_new_eventloop
 from aiosmtpd.smtp import (
     BOGUS_LIMIT,
     DATA_SIZE_DEFAULT,
+    MISSING,
     SMTP,
     Envelope,
-    TLSSetupException,
     _AuthMechAttr,
     login_always_fail,
     sanitized_log,
@@ -48,7 +47,7 @@ from aiosmtpd.smtp import (
 from aiosmtpd.smtp import __ident__ as _AIOSMTPD_IDENT
 from aiosmtpd.smtp import log as _aiosmtpd_log
 
-from delivery.smtpd import aiosmtpd_members, policy
+from delivery.smtpd import aiosmtpd_members, command_errors, policy
 from delivery.smtpd.auth import AuthCommand
 from delivery.smtpd.commands import Commands
 from delivery.smtpd.config import SMTP_LISTENER, SUBMISSIONS
@@ -142,6 +141,7 @@ class AiosmtpdSession(SMTP):
     # fast __init__ sets exactly aiosmtpd's attributes.
     _idle_at: float = 0.0
     _idle_armed: bool = False
+    _quitting: bool = False  # QUIT answered: the command loop ends
 
     def __init__(self, handler: Any, **options: Any) -> None:
         tls_context = options.get("tls_context")
@@ -291,6 +291,34 @@ class AiosmtpdSession(SMTP):
         self._idle_armed = False
         self._timeout_cb()
 
+    @syntax("QUIT")
+    async def smtp_QUIT(self, arg: str | None) -> None:
+        """aiosmtpd's QUIT, but the task ends by returning, not by cancelling itself
+        (its CancelledError's traceback would hold the session in a cycle)."""
+        if arg:
+            await self.push("501 Syntax: QUIT")
+            return
+        status = await self._call_handler_hook("QUIT")
+        await self.push("221 Bye" if status is MISSING else status)
+        self._quitting = True
+        assert self.transport is not None
+        self.transport.close()
+
+    def connection_lost(self, error: Exception | None) -> None:
+        super().connection_lost(error)  # cancels the session's task if it still runs
+        task = self._handler_coroutine
+        if task is None or task.done():
+            self._unbind()
+        else:
+            task.add_done_callback(self._unbind)
+
+    def _unbind(self, _task: object = None) -> None:
+        """Drop what refers back to the session (bound methods, the writer), so it
+        goes with its last reference, not at the garbage collector's next pass."""
+        self._smtp_methods = self._auth_methods = {}
+        self._client_connected_cb = None
+        self._writer = None
+
     async def _handle_client(self) -> None:
         if not self.serves_client():
             return
@@ -313,12 +341,12 @@ class AiosmtpdSession(SMTP):
         await self.push(f"220 {self.hostname} {self.__ident__}")
         bogus_budget = BOGUS_LIMIT
         reader = self._reader
-        while self.transport is not None:
+        while self.transport is not None and not self._quitting:
             try:
                 try:
                     line: bytes = await reader.readuntil()
                 except asyncio.LimitOverrunError as error:
-                    await _discard_long_line(reader, error.consumed)
+                    await command_errors.discard_long_line(reader, error.consumed)
                     await self.push("500 Command line too long")
                     continue
                 line = line.rstrip(b"\r\n")
@@ -366,24 +394,7 @@ class AiosmtpdSession(SMTP):
                 self._writer.close()
                 raise
             except Exception as error:  # noqa: BLE001 - aiosmtpd's: the handler's reply to it
-                await self._answer_exception(error)
-
-    async def _answer_exception(self, error: Exception) -> None:
-        """What aiosmtpd's loop does with an exception a command raised."""
-        status = "500 Error: Cannot describe error"
-        try:
-            status = await self.handle_exception(error)
-        except Exception as inner:  # noqa: BLE001 - as aiosmtpd
-            with contextlib.suppress(Exception):  # an error that cannot be told: the default
-                _aiosmtpd_log.exception("%r Exception in handle_exception()", self.session.peer)
-                status = f"500 Error: ({inner.__class__.__name__}) {inner}"
-        finally:
-            if isinstance(error, TLSSetupException):
-                assert self.transport is not None
-                self.transport.close()
-                self.connection_lost(error)
-            else:
-                await self.push(status)
+                await command_errors.answer(self, error)
 
     def _timeout_cb(self) -> None:
         self.before_idle_close()
@@ -405,17 +416,6 @@ def _command_argument(arg_bytes: bytes, smtputf8: bool) -> Any:
         return str(arg_bytes, encoding="ascii", errors="strict")
     except UnicodeDecodeError:
         return _NOT_ASCII
-
-
-async def _discard_long_line(reader: asyncio.StreamReader, consumed: int) -> None:
-    """Read past a line longer than the reader's limit, to its end (as aiosmtpd)."""
-    await reader.read(consumed)
-    while True:
-        try:
-            await reader.readuntil()
-            return
-        except asyncio.LimitOverrunError as e:
-            await reader.read(e.consumed)
 
 
 class RelayEnvelope(Envelope):
