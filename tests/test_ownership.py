@@ -591,6 +591,23 @@ def test_a_categorizer_task_rides_out_its_connection_cut(relay, bells, where):
     assert Link.objects.get().pk in bells.links
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_categorizer_task_s_first_run_looks_for_no_batch_it_holds(relay, bells):
+    """A task's owner is new on its first run, so it holds nothing: only a rerun
+    after an outage (above) looks for the batch its owner claimed."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from delivery.qmgr.tasks import categorize
+
+    relay.a("example.net", "127.0.0.2")
+    accept("u0@example.net")
+    with CaptureQueriesContext(connection) as queries:
+        assert categorize() == 1
+    held = '"queues_message"."lease_until" >'  # MessageFlow.claim_held's condition
+    assert [q["sql"] for q in queries if held in q["sql"]] == []
+
+
 def deliver_watching(sink, link_id: int) -> tuple[int, list[tuple[int, int]]]:
     """``deliver_link`` while a thread samples, every 10 ms, (MAIL commands the
     sink has seen, recipients recorded delivered); returns both."""

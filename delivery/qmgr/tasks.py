@@ -28,6 +28,7 @@ tracking and insight tasks too) a database connection that broke is dropped.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -123,15 +124,21 @@ def ring_link(
 def categorize() -> int | None:
     # One owner across the reruns an outage costs, as deliver_link below: a
     # rerun first finishes the batch an earlier run claimed (its reply lost).
-    return waits_for_database(_categorize)(transitions.new_owner())
+    # The first run's owner is new: it holds nothing to look for.
+    owner = transitions.new_owner()
+    runs = itertools.count()
+
+    def categorize_run() -> int:
+        return _categorize(owner, held_first=next(runs) > 0)
+
+    return waits_for_database(categorize_run)()
 
 
-def _categorize(owner: str) -> int:
+def _categorize(owner: str, *, held_first: bool) -> int:
     started = time.monotonic()
     total = 0
     config = qmgr_settings()
     gather, full = config.categorizer_batch_wait, config.categorizer_batch
-    held_first = True
     while True:
         taken = categorize_pending(owner, limit=full, held_first=held_first)
         held_first = False
