@@ -226,6 +226,43 @@ def test_a_session_ended_by_quit_is_freed_without_the_garbage_collector():
         gc.enable()
 
 
+@pytest.mark.parametrize("loop", ["the adapter's", "aiosmtpd's"])
+def test_quit_ends_the_command_loop_before_a_line_sent_after_it(loop):
+    """QUIT's 221 is the session's last reply, in the adapter's command loop and
+    in aiosmtpd's (used with a command call limit, PROXY or REQUIRE STARTTLS):
+    a line pipelined after QUIT is not answered. The adapter's loop ends with
+    QUIT and does not run it either; aiosmtpd's reads it from its buffer before
+    the connection's loss cancels it (as with aiosmtpd's own QUIT), answering
+    into a closed transport."""
+    options = {"command_call_limit": 100} if loop == "aiosmtpd's" else {}
+    noops: list[str] = []
+
+    class Noting(Handler):
+        async def handle_NOOP(self, server: Any, session: Any, envelope: Any, arg: str) -> str:
+            noops.append(arg)
+            return "250 OK"
+
+    async def scenario() -> None:
+        def factory() -> AiosmtpdSession:
+            return AiosmtpdSession(Noting(), loop=asyncio.get_running_loop(), **options)
+
+        server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            assert (await reader.readline()).startswith(b"220 ")
+            writer.write(b"QUIT\r\nNOOP\r\n")
+            assert (await reader.readline()).startswith(b"221 ")
+            assert await reader.read() == b""  # nothing after the 221: closed
+            assert noops == ([] if loop == "the adapter's" else [None])
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    run(scenario())
+
+
 def test_a_session_that_serves_its_client_greets_and_answers():
     async def scenario() -> None:
         async with connected() as (session, reader, writer):
