@@ -34,13 +34,12 @@ DELIVERED = importlib.import_module("queues.migrations.0015_delivered_attempts_a
 RESUBMIT = "queues_resubmit_if_recipients_submitted(bigint[], timestamptz)"
 RECORD = DELIVERED.SIGNATURE
 
-STATES = """DECLARE
-    -- State words as variables, so parameters of the generic plan (above).
-    v_queued varchar := 'queued';
-    v_submitted varchar := 'submitted';
-    v_categorizing varchar := 'categorizing';
-    v_active varchar := 'active';
-    v_done varchar := 'done';"""
+
+def _states(*words: str) -> str:
+    """The DECLARE of the state words a function checks, as variables (so
+    parameters of the generic plan, above): ``v_queued varchar := 'queued';``."""
+    lines = "".join(f"\n    v_{word} varchar := '{word}';" for word in words)
+    return "DECLARE" + lines
 
 
 def _edited(sql: str, edits: list[tuple[str, str]]) -> str:
@@ -54,7 +53,7 @@ def _resubmit() -> str:
     return _edited(
         PINNED.original(RESUBMIT),
         [
-            ("DECLARE\n    n integer;", f"{STATES}\n    n integer;"),
+            ("DECLARE\n    n integer;", f"{_states('queued', 'submitted')}\n    n integer;"),
             ("m.state = 'queued'", "m.state = v_queued"),
             ("r.state = 'submitted')", "r.state = v_submitted)"),
         ],
@@ -65,7 +64,7 @@ def _record() -> str:
     return _edited(
         DELIVERED._current(),
         [
-            ("AS $fn$\nBEGIN", f"AS $fn$\n{STATES}\nBEGIN"),
+            ("AS $fn$\nBEGIN", f"AS $fn$\n{_states('active', 'done')}\nBEGIN"),
             ("t.state = 'active' AND", "t.state = v_active AND"),
             ("m.state <> 'done' AND", "m.state <> v_done AND"),
         ],
@@ -82,7 +81,7 @@ NEW = [
 CREATE OR REPLACE FUNCTION queues_queue_owned(p_ids bigint[], p_owner text)
 RETURNS TABLE (o_id bigint)
 LANGUAGE plpgsql {PINNED.PINNED} AS $fn$
-{STATES}
+{_states("categorizing")}
 BEGIN
 -- The categorizer's write fence: those of p_ids that p_owner still holds become
 -- queued, locked until the transaction ends; returns their ids.
@@ -100,7 +99,7 @@ CREATE OR REPLACE FUNCTION queues_place_recipients(
     p_ids bigint[], p_queues bigint[], p_links bigint[], p_now timestamptz)
 RETURNS TABLE (o_id bigint)
 LANGUAGE plpgsql {PINNED.PINNED} AS $fn$
-{STATES}
+{_states("submitted")}
 BEGIN
 -- The submitted recipients of p_ids routed, each to its queue and link (the
 -- same positions of the three arrays): waiting in their queue, due now, their
