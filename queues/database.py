@@ -113,13 +113,16 @@ class _Prepared(psycopg.Cursor):
 
 def prepared_cursor() -> Any:
     """A cursor for the hot paths' batch inserts (``insert_json``: the tracking
-    rows, a round's attempts, the webhook outbox): their text never changes and
-    their plan reads no table, so PostgreSQL parses and plans each once per
-    connection, and the batch's JSON goes as a bound parameter, not as a quoted
-    literal built by psycopg and parsed again by the server. Statements that
-    find rows (claims, placements, records) are not prepared: a generic plan
-    made while a table was small keeps scanning it after it has grown, until
-    the next ANALYZE (measured: a sequential scan per categorizer batch).
+    rows, a round's attempts, the webhook outbox) and for the calls of the
+    pinned functions (migrations queues/0014, 0018: the claims, placements and
+    records): their text never changes and their own plan reads no table (a
+    function's statements keep the plans the function pinned), so PostgreSQL
+    parses and plans each once per connection, and the ids and the JSON go as
+    bound parameters, not as quoted literals built by psycopg in Python and
+    parsed again by the server. Other statements that find rows are not
+    prepared: a generic plan made while a table was small keeps scanning it
+    after it has grown, until the next ANALYZE (measured: a sequential scan per
+    categorizer batch).
     Django's cursor wrapper all the same: its errors, its execute wrappers, its
     query log. ``MAILRELAY_DB_PREPARE`` off (a pooler in transaction mode
     without prepared statements), or another database: Django's own cursor."""

@@ -58,7 +58,7 @@ from queues import transitions
 from queues.bounce import dsn
 from queues.bounce.notify import notify
 from queues.config import store_settings
-from queues.database import drop_connection, is_outage, waits_for_database
+from queues.database import drop_connection, is_outage, prepared_cursor, waits_for_database
 from queues.lib import clock, first_categorization
 from queues.models import (
     Attempt,
@@ -547,7 +547,7 @@ def _to_route(ids: list[int]) -> list[tuple]:
     need (domain, then queues.signals.PLACED_FACTS), by id; on PostgreSQL one
     statement, its plan pinned (migration queues/0014)."""
     if connection.vendor == "postgresql":
-        with connection.cursor() as cur:
+        with prepared_cursor() as cur:
             cur.execute("SELECT * FROM queues_to_route(%s::bigint[])", [list(ids)])
             return [(*row[:7], _inet(row[7]), *row[8:]) for row in cur.fetchall()]
     return list(

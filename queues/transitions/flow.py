@@ -28,6 +28,7 @@ from queues.database import (
     field_columns,
     json_payload,
     postgresql,
+    prepared_cursor,
     retry_outages,
     update_json,
 )
@@ -98,7 +99,7 @@ class MessageFlow(models.QuerySet):
         threshold on its own.
         """
         if postgresql():  # one statement, its plan pinned (migration queues/0014)
-            with connection.cursor() as cur:
+            with prepared_cursor() as cur:
                 cur.execute(
                     "SELECT * FROM queues_claim_for_categorizer(%s, %s, %s, %s)",
                     [now, limit, owner, now + lease],
@@ -151,7 +152,7 @@ class MessageFlow(models.QuerySet):
         until the caller's transaction ends; returns their ids. The caller then
         places only their recipients, in the same transaction."""
         if postgresql():
-            with connection.cursor() as cur:  # its plan pinned (migration queues/0018)
+            with prepared_cursor() as cur:  # its plan pinned (migration queues/0018)
                 cur.execute(
                     "SELECT * FROM queues_queue_owned(%s::bigint[], %s)", [list(ids), owner]
                 )
@@ -167,7 +168,7 @@ class MessageFlow(models.QuerySet):
         messages among ``ids`` (one hand-written statement on PostgreSQL)."""
         if not postgresql():
             return self.filter(id__in=ids).with_submitted_recipients().back_to_submission(now)
-        with connection.cursor() as cur:  # its plan pinned (migration queues/0014)
+        with prepared_cursor() as cur:  # its plan pinned (migration queues/0014)
             cur.execute(
                 "SELECT queues_resubmit_if_recipients_submitted(%s::bigint[], %s)", [list(ids), now]
             )
@@ -314,7 +315,7 @@ class RecipientFlow(models.QuerySet):
                     total += size
                 ids.append(rid)
             if ids and postgresql():  # its plan pinned (migration queues/0014)
-                with connection.cursor() as cur:
+                with prepared_cursor() as cur:
                     cur.execute(
                         "SELECT queues_lease_recipients(%s::bigint[], %s, %s)",
                         [ids, owner, now + lease],
@@ -336,7 +337,7 @@ class RecipientFlow(models.QuerySet):
         if not placements:
             return set()
         if postgresql():
-            with connection.cursor() as cur:  # its plan pinned (migration queues/0018)
+            with prepared_cursor() as cur:  # its plan pinned (migration queues/0018)
                 cur.execute(
                     "SELECT * FROM queues_place_recipients("
                     "%s::bigint[], %s::bigint[], %s::bigint[], %s)",
@@ -430,7 +431,7 @@ class RecipientFlow(models.QuerySet):
         committed; reading them checks again the messages it could not finish
         (``MessageQuerySet.finish_after_commit``)."""
         ids = [a["recipient_id"] for a in attempts]
-        cur = connection.cursor()  # its plan pinned (migration queues/0014)
+        cur = prepared_cursor()  # its plan pinned (migration queues/0014)
         cur.execute(
             "SELECT * FROM queues_record_delivered(%s::json, %s::bigint[], %s, %s, %s::varchar[])",
             [json_payload(attempts), ids, owner, now, _FINAL_STATES],
