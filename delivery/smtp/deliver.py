@@ -109,14 +109,14 @@ PRELOAD_BYTES = 4 * 1024 * 1024
 def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
     """The round's envelopes, with the bodies of its small messages (see
     PRELOAD_BYTES); the others are read when sent."""
-    rows = Recipient.objects.filter(id__in=recipient_ids).order_by("message_id", "id")
+    rows = Recipient.objects.filter(id__any=recipient_ids).order_by("message_id", "id")
     by_message: dict[int, list[OutboundRecipient]] = defaultdict(list)
     for rid, mid, address, orcpt, notify_ in rows.values_list(
         "id", "message_id", "address", "orcpt", "notify"
     ):
         by_message[mid].append(OutboundRecipient(rid, address, orcpt, notify_))
     envelopes = list(
-        Message.objects.filter(id__in=list(by_message))
+        Message.objects.filter(id__any=list(by_message))
         .order_by("id")
         .values(
             "id", "mail_from", "body_type", "smtputf8", "ret", "envid", "size", "qid", "message_id"
@@ -129,7 +129,7 @@ def _load_batch(recipient_ids: list[int]) -> list[OutboundMessage]:
             budget -= m["size"]
     bodies: dict[int, bytes] = {}
     if preload:
-        for mid, signature, data in Message.objects.filter(id__in=preload).values_list(
+        for mid, signature, data in Message.objects.filter(id__any=preload).values_list(
             "id", "signature", "data"
         ):
             bodies[mid] = b"".join((signature, data)) if signature else bytes(data)
@@ -346,8 +346,10 @@ def _record(
         owner
     )
     # The rows, with their messages' senders and what the tracking rows need of
-    # each message, in one SELECT.
+    # each message, in one SELECT (none when the early records wrote them all).
     read = claimed.select_related("message").only(*_RECIPIENT_READ_FIELDS, *_MESSAGE_FACTS)
+    if not batch.results:
+        read = read.none()
     rows: dict[int, Recipient] = {}
     facts: dict[int, tuple[str, str, str]] = {}
     for r in read:
