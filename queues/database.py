@@ -120,9 +120,8 @@ def prepared_cursor() -> Any:
     parses and plans each once per connection, and the ids and the JSON go as
     bound parameters, not as quoted literals built by psycopg in Python and
     parsed again by the server. Other statements that find rows are not
-    prepared: a generic plan made while a table was small keeps scanning it
-    after it has grown, until the next ANALYZE (measured: a sequential scan per
-    categorizer batch).
+    prepared: a generic plan made while a table was small keeps scanning it after
+    it has grown, until the next ANALYZE (measured: a seq scan per categorizer batch).
     Django's cursor wrapper all the same: its errors, its execute wrappers, its
     query log. ``MAILRELAY_DB_PREPARE`` off (a pooler in transaction mode
     without prepared statements), or another database: Django's own cursor."""

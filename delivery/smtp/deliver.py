@@ -348,11 +348,9 @@ def _record(
     # The rows, with their messages' senders and what the tracking rows need of
     # each message, in one SELECT (none when the early records wrote them all).
     read = claimed.select_related("message").only(*_RECIPIENT_READ_FIELDS, *_MESSAGE_FACTS)
-    if not batch.results:
-        read = read.none()
     rows: dict[int, Recipient] = {}
     facts: dict[int, tuple[str, str, str]] = {}
-    for r in read:
+    for r in read if batch.results else ():
         m = r.message
         facts[m.pk] = (m.qid, m.mail_from, m.message_id)
         del r._state.fields_cache["message"]  # the rows are written back without it
