@@ -147,6 +147,28 @@ def test_a_finished_message_is_made_durable_in_a_few_statements(relay, monkeypat
     assert Attempt.objects.count() == 44
 
 
+def test_a_round_whose_results_were_all_recorded_early_reads_none_again(relay, monkeypatch):
+    """The round's final record writes what the early records left it (the
+    link, its queues, the retry data); when they wrote every result, it does not
+    read the round's recipient rows again (no row can be found: none of the
+    results is left)."""
+    monkeypatch.setattr(deliver, "RECORD_EACH_MESSAGE", True)
+    warm_up()
+    accept_many(3, "early")
+    while categorize_pending():
+        pass
+    with CaptureQueriesContext(connection) as queries:
+        assert deliver.deliver_link(Link.objects.get().pk) == 3
+    reads = [
+        q["sql"]
+        for q in queries
+        if q["sql"].startswith("SELECT") and '"queues_recipient"."lease_owner" =' in q["sql"]
+    ]
+    assert reads == []
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
+    assert Attempt.objects.count() == 4
+
+
 def test_bodies_asked_for_at_once_are_read_in_one_statement():
     """Bodies too large to come with the round's envelopes are read when their
     connections ask (delivery.smtp.deliver._give_bodies): the requests waiting

@@ -339,14 +339,14 @@ def _record(
     now = clock.now()
     if final:
         link.refresh_from_db()  # a retried recording starts again from the stored link
+    if final and carried is not None:
+        batch = carried.unrecorded(batch)  # the early records wrote the others
     for res in batch.results:
         res.text, res.host = scrub_nul(res.text), scrub_nul(res.host)
     batch.connection_error = scrub_nul(batch.connection_error)
-    claimed = Recipient.objects.filter(id__any=[x.recipient_id for x in batch.results]).owned_by(
-        owner
-    )
-    # The rows, with their messages' senders and what the tracking rows need of
-    # each message, in one SELECT (none when the early records wrote them all).
+    ids = [x.recipient_id for x in batch.results]
+    claimed = Recipient.objects.filter(id__any=ids).owned_by(owner)
+    # The rows, their messages' senders and tracking facts: one SELECT (none if none left).
     read = claimed.select_related("message").only(*_RECIPIENT_READ_FIELDS, *_MESSAGE_FACTS)
     rows: dict[int, Recipient] = {}
     facts: dict[int, tuple[str, str, str]] = {}

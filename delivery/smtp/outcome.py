@@ -445,8 +445,10 @@ class Carried:
     errors_by_queue: dict[int, str] = field(default_factory=dict)
     cleared_hints: dict[str, None] = field(default_factory=dict)  # ordered set
     tls: str = ""
+    recorded: set[int] = field(default_factory=set)  # the recipients recorded early
 
     def keep(self, rnd: Round) -> None:
+        self.recorded |= rnd.rows.keys()
         self.delivered_queues |= rnd.delivered_queues
         self.errors_by_queue.update(rnd.errors_by_queue)
         self.cleared_hints.update(dict.fromkeys(rnd.cleared_hints))
@@ -463,11 +465,18 @@ class Carried:
         by_id = {res.recipient_id: res for res in results}
         for row in written:
             res = by_id[row.id]
+            self.recorded.add(row.id)
             self.delivered_queues.add(row.queue_id)
             sender = senders[row.message_id]
             cleared = cleared_by_delivery(row.address, sender, res.host, res.ip)
             self.cleared_hints.update(dict.fromkeys(cleared))
         self.tls = tls_summary(results) or self.tls
+
+    def unrecorded(self, batch: BatchResult) -> BatchResult:
+        """``batch`` without the results the early records wrote (no longer the round's)."""
+        return replace(
+            batch, results=[r for r in batch.results if r.recipient_id not in self.recorded]
+        )
 
     def give(self, rnd: Round) -> None:
         rnd.delivered_queues |= self.delivered_queues
