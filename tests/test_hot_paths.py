@@ -22,6 +22,7 @@ from delivery.qmgr.tasks import categorize_pending
 from delivery.smtp import deliver
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Link, Message, MessageState, Recipient, RecipientState
+from queues.signals import deliveries_heard
 from queues.transitions.flow import Claim
 from tracking import record
 
@@ -44,11 +45,12 @@ DELIVER_STATEMENTS = 29
 # that owes no "relayed" report is one statement of the store
 # (Recipient.objects.record_delivered: recipients, attempts — which are the
 # deliveries' tracking events too —, finished messages). The link, queue and
-# cleared retry data wait for the round's end. 3 with the two savepoints of
-# the test's own transaction (BEGIN, the statement and COMMIT in production,
-# sent as one pipeline); it was 9 (a SELECT of the rows, four writes, a
-# savepoint), then 4 (the tracking rows' INSERT beside it).
-EARLY_RECORD_STATEMENTS = 3
+# cleared retry data wait for the round's end. With no tracking row to write
+# beside it (no webhook endpoint, no event log: queues.signals.deliveries_heard)
+# the statement is its own transaction: 1. It was 9 (a SELECT of the rows, four
+# writes, a savepoint), then 4 (the tracking rows' INSERT beside it), then 3 (in
+# a transaction: the test's two savepoints; BEGIN and COMMIT in production).
+EARLY_RECORD_STATEMENTS = 1
 
 
 @pytest.fixture
@@ -167,6 +169,25 @@ def test_a_round_whose_results_were_all_recorded_early_reads_none_again(relay, m
     assert reads == []
     assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
     assert Attempt.objects.count() == 4
+
+
+def test_an_early_record_heard_by_a_webhook_is_one_transaction_with_its_tracking_rows(
+    relay, monkeypatch, settings, webhook_endpoint
+):
+    """With an enabled webhook endpoint a delivery is a tracking row too: each
+    early record is then its statement and that row's INSERT in one
+    transaction (here the test's savepoint and its release around them)."""
+    monkeypatch.setattr(deliver, "RECORD_EACH_MESSAGE", True)
+    settings.MAILRELAY_MAX_CONNECTIONS_PER_DESTINATION = 1
+    settings.MAILRELAY_MAX_MESSAGES_PER_CONNECTION = 100
+    assert not deliveries_heard()
+    webhook_endpoint("delivered")
+    assert deliveries_heard()
+    warm_up()
+    few = deliver_and_count(3, "few")
+    many = deliver_and_count(40, "many")
+    assert many - few == (EARLY_RECORD_STATEMENTS + 3) * (40 - 3)
+    assert set(Recipient.objects.values_list("state", flat=True)) == {RecipientState.DELIVERED}
 
 
 def test_bodies_asked_for_at_once_are_read_in_one_statement():

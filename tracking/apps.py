@@ -23,6 +23,7 @@ class TrackingConfig(AppConfig):
         signals.attempts_recorded.connect(
             record.on_attempts_recorded, dispatch_uid="tracking.attempted"
         )
+        signals.hear_deliveries(record.heard)  # a delivery is a row only when heard
         signals.recipients_expired.connect(record.on_expired, dispatch_uid="tracking.expired")
         signals.messages_purging.connect(history.on_purging, dispatch_uid="tracking.purging")
         post_save.connect(record.on_audit, sender=AuditEntry, dispatch_uid="tracking.audit")

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import datetime
 from functools import partial
@@ -55,7 +56,7 @@ from queues.models import (
 )
 from queues.outcomes import Delivered
 from queues.placement import park_poison, special_queue
-from queues.signals import attempts_recorded
+from queues.signals import attempts_recorded, deliveries_heard
 from queues.transitions import Claim, while_connected, while_renewing
 
 log = logging.getLogger(__name__)
@@ -667,11 +668,9 @@ def _record_decided(
 def _record_delivered(
     link: Link, results: list[RecipientResult], owner: str, carried: Carried, index: Index
 ) -> None:
-    """Deliveries recorded by one statement of the store (``record_delivered``)
-    and their tracking rows (made from what the round holds), in one
-    transaction: BEGIN, both statements as one pipeline, COMMIT — three round
-    trips to PostgreSQL while the connections wait (the decided path: a SELECT,
-    four writes, a savepoint). Never run twice for the same results
+    """Deliveries recorded by one statement of the store (``record_delivered``), its
+    own transaction; with tracking rows to write for them (``deliveries_heard``),
+    both in one transaction, as one pipeline. Never run twice for the same results
     (``_record_quickly``): its attempts and tracking rows would be written twice."""
     now = clock.now()
     for res in results:
@@ -682,7 +681,8 @@ def _record_delivered(
         rcpt, m = index[res.recipient_id]
         rows[rcpt.id] = Delivered(rcpt.id, m.id, None, rcpt.address)
         facts[m.id] = (m.qid, m.mail_from, m.header_id)
-    with transaction.atomic(), pipelined():  # an error: raised at the pipeline's end
+    heard = deliveries_heard()  # else nothing but the statement: autocommit
+    with transaction.atomic() if heard else nullcontext(), pipelined() if heard else nullcontext():
         written = Recipient.objects.record_delivered(values, owner, now)
         attempts_recorded.send(
             None,
