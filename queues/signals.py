@@ -15,8 +15,6 @@ their receivers write in it too (tracking.record: in a savepoint of its own,
 so a row that cannot be written never rolls back the delivery it describes).
 """
 
-from collections.abc import Callable
-
 from django.dispatch import Signal
 
 # Messages wait in Submission (new, resubmitted, or released by an operator).
@@ -64,24 +62,6 @@ PLACED_FACTS = (
 # id, or None), ``owned`` (the ids of the recipients the round could still
 # write; None: all).
 attempts_recorded = Signal()
-# Whether a receiver of ``attempts_recorded`` writes rows for a delivery that
-# owes no report (tracking: an enabled webhook endpoint or the event log; else
-# such a delivery is its attempt alone). While none does, an early record of
-# such deliveries is one statement, its own transaction (delivery.smtp.deliver).
-_deliveries_heard: list[Callable[[], bool]] = []
-
-
-def hear_deliveries(check: Callable[[], bool]) -> None:
-    """Register ``check`` (tracking.apps): True while its receiver writes rows for
-    deliveries."""
-    if check not in _deliveries_heard:
-        _deliveries_heard.append(check)
-
-
-def deliveries_heard() -> bool:
-    return any(check() for check in _deliveries_heard)
-
-
 # The sweep expired ``recipients`` (queues.models.Recipient). kwargs:
 # ``recipients``, ``now``, ``reason``.
 recipients_expired = Signal()

@@ -22,8 +22,7 @@ from delivery.qmgr.tasks import categorize_pending
 from delivery.smtp import deliver
 from queues.accept import IncomingEnvelope, IncomingRecipient, message_accept
 from queues.models import Attempt, Link, Message, MessageState, Recipient, RecipientState
-from queues.signals import deliveries_heard
-from queues.transitions.flow import Claim
+from queues.transitions.flow import Claim, deliveries_heard
 from tracking import record
 
 pytestmark = pytest.mark.django_db
@@ -46,7 +45,7 @@ DELIVER_STATEMENTS = 29
 # (Recipient.objects.record_delivered: recipients, attempts — which are the
 # deliveries' tracking events too —, finished messages). The link, queue and
 # cleared retry data wait for the round's end. With no tracking row to write
-# beside it (no webhook endpoint, no event log: queues.signals.deliveries_heard)
+# beside it (no webhook endpoint, no event log: queues.transitions.deliveries_heard)
 # the statement is its own transaction: 1. It was 9 (a SELECT of the rows, four
 # writes, a savepoint), then 4 (the tracking rows' INSERT beside it), then 3 (in
 # a transaction: the test's two savepoints; BEGIN and COMMIT in production).

@@ -11,7 +11,7 @@ class TrackingConfig(AppConfig):
         # (neither imports anything of this app).
         from django.db.models.signals import post_save
 
-        from queues import signals
+        from queues import signals, transitions
         from queues.bounce.notify import dsn_sent
         from queues.models import AuditEntry
         from tracking import history, record
@@ -23,7 +23,7 @@ class TrackingConfig(AppConfig):
         signals.attempts_recorded.connect(
             record.on_attempts_recorded, dispatch_uid="tracking.attempted"
         )
-        signals.hear_deliveries(record.heard)  # a delivery is a row only when heard
+        transitions.hear_deliveries(record.heard)  # a delivery is a row only when heard
         signals.recipients_expired.connect(record.on_expired, dispatch_uid="tracking.expired")
         signals.messages_purging.connect(history.on_purging, dispatch_uid="tracking.purging")
         post_save.connect(record.on_audit, sender=AuditEntry, dispatch_uid="tracking.audit")

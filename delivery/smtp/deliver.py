@@ -56,8 +56,8 @@ from queues.models import (
 )
 from queues.outcomes import Delivered
 from queues.placement import park_poison, special_queue
-from queues.signals import attempts_recorded, deliveries_heard
-from queues.transitions import Claim, while_connected, while_renewing
+from queues.signals import attempts_recorded
+from queues.transitions import Claim, deliveries_heard, while_connected, while_renewing
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,15 @@ Every method here is one set-based statement (or a few, in the caller's
 transaction); none loads message bodies.
 """
 
-from queues.transitions.flow import Claim, new_owner, poisoned, while_connected, while_renewing
+from queues.transitions.flow import (
+    Claim,
+    deliveries_heard,
+    hear_deliveries,
+    new_owner,
+    poisoned,
+    while_connected,
+    while_renewing,
+)
 from queues.transitions.operator import (
     LinkQuerySet,
     MessageQuerySet,
@@ -40,6 +48,8 @@ __all__ = [
     "MessageQuerySet",
     "QueueQuerySet",
     "RecipientQuerySet",
+    "deliveries_heard",
+    "hear_deliveries",
     "new_owner",
     "poisoned",
     "while_connected",

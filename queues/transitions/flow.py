@@ -457,6 +457,25 @@ class RecipientFlow(models.QuerySet):
         )
 
 
+# Whether a receiver of queues.signals.attempts_recorded writes rows for a
+# delivery that owes no report (tracking: an enabled webhook endpoint or the
+# event log; else such a delivery is its attempt alone). While none does, an
+# early record of such deliveries (``record_delivered``) is one statement, its
+# own transaction (delivery.smtp.deliver).
+_deliveries_heard: list[Callable[[], bool]] = []
+
+
+def hear_deliveries(check: Callable[[], bool]) -> None:
+    """Register ``check`` (tracking.apps): True while its receiver writes rows
+    for deliveries."""
+    if check not in _deliveries_heard:
+        _deliveries_heard.append(check)
+
+
+def deliveries_heard() -> bool:
+    return any(check() for check in _deliveries_heard)
+
+
 # What a round writes of each recipient (record_round).
 _RECORDED = [
     "state",
